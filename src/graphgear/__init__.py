@@ -1,0 +1,30 @@
+"""graphgear: a graph-capture backend for ``torch.compile``.
+
+>>> import torch, graphgear
+>>> config = graphgear.CompilerConfig()
+>>> config.mode = "reduce-overhead"
+>>> model = torch.compile(model, backend=graphgear.get_backend(compiler_config=config))
+"""
+
+from __future__ import annotations
+
+from . import inference
+from .backend import get_backend, get_compiler
+from .config import CompilerConfig
+from .errors import CaptureError, GearError
+from .gears import set_dim_gears
+from .stats import reset, stats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CaptureError",
+    "CompilerConfig",
+    "GearError",
+    "get_backend",
+    "get_compiler",
+    "inference",
+    "reset",
+    "set_dim_gears",
+    "stats",
+]

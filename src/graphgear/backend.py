@@ -1,0 +1,231 @@
+"""The backend pipeline, in the shape of TorchAir's ``_npu_backend``.
+
+For each graph dynamo hands over, :class:`GraphgearBackend`:
+
+1. records per-input attributes (names, gears, static inputs, parameters);
+2. wraps the mode's compiler into forward, inference and joint compilers
+   (:func:`_wrap_compiler`; the inference compiler runs the joint-graph passes when
+   ``experimental_config.fx_passes`` is on);
+3. wraps the forward and inference compilers in the gear guard (:func:`_set_gear_to_compiler`);
+4. picks the partition function (:func:`_get_partition_fn`);
+5. calls ``aot_module_simplified`` with the compilers, the partition function, the merged
+   decompositions and ``keep_inference_input_mutations``.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import fx
+
+from . import debug
+from .compilers import compile_graph, mode_of
+from .config import CompilerConfig, apply_options
+from .gears import guard_gears_shape, set_dim_gears
+from .inputs import GraphInputs
+from .passes.joint import joint_graph_passes
+
+log = logging.getLogger(__name__)
+
+__all__ = ["GraphgearBackend", "get_backend", "get_compiler", "graphgear_backend"]
+
+# torch.compile(mode=...) values and what they mean for graphgear
+_TORCH_MODES = {
+    "default": None,
+    "reduce-overhead": "reduce-overhead",
+    "max-autotune": "max-autotune",
+    "max-autotune-no-cudagraphs": "max-autotune",
+}
+
+
+def _wrap_compiler(compiler: Callable[..., Any], config: CompilerConfig):  # type: ignore[no-untyped-def]
+    """Forward, inference and joint (backward) compilers around one mode compiler."""
+
+    @functools.wraps(compiler)
+    def wrapped_compiler(gm: fx.GraphModule, example_inputs: Sequence[Any], is_inference: bool) -> Any:
+        if is_inference and config.experimental_config.fx_passes:
+            joint_graph_passes(gm, example_inputs, config)
+        return compiler(gm, example_inputs, stage="inference" if is_inference else "forward")
+
+    @functools.wraps(compiler)
+    def joint_compiler(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
+        return compiler(gm, example_inputs, stage="backward")
+
+    fw_compiler = functools.partial(wrapped_compiler, is_inference=False)
+    inference_compiler = functools.partial(wrapped_compiler, is_inference=True)
+    return fw_compiler, inference_compiler, joint_compiler
+
+
+def _set_gear_to_compiler(
+    compiler: Callable[..., Any], config: CompilerConfig, input_dim_gears: Mapping[int, Mapping[int, list[int]]]
+) -> Callable[..., Any]:
+    """Record each input's gears on the compiler's example inputs and check them."""
+
+    @functools.wraps(compiler)
+    def gear_compiler(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
+        for i, dim_gears in input_dim_gears.items():
+            if i < len(example_inputs) and isinstance(example_inputs[i], torch.Tensor):
+                set_dim_gears(example_inputs[i], dict(dim_gears))
+        guard_gears_shape(example_inputs)
+        return compiler(gm, example_inputs)
+
+    return gear_compiler
+
+
+def _get_partition_fn(config: CompilerConfig) -> Callable[..., Any]:
+    from torch._functorch.partitioners import default_partition
+
+    if not config.experimental_config.fx_passes:
+        return default_partition
+
+    def partition_fn(graph: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
+        joint_graph_passes(graph, joint_inputs, config)
+        return default_partition(graph, joint_inputs, **kwargs)
+
+    return partition_fn
+
+
+def default_decompositions(config: CompilerConfig) -> dict[Any, Any]:
+    """Decompositions per mode: Inductor's table for max-autotune; none otherwise, so the
+    captured graphs keep ATen's fused kernels (fewer, larger ops)."""
+    if mode_of(config) == "max-autotune":
+        from .compilers.inductor import inductor_decompositions
+
+        return inductor_decompositions()
+    return {}
+
+
+def _aot_module_simplified(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    params = inspect.signature(aot_module_simplified).parameters
+    dropped = [k for k in kwargs if k not in params]
+    for k in dropped:
+        log.debug("graphgear: this torch's aot_module_simplified has no %r; leaving it out", k)
+        kwargs.pop(k)
+    return aot_module_simplified(gm, example_inputs, **kwargs)
+
+
+class GraphgearBackend:
+    """A ``torch.compile`` backend: ``torch.compile(model, backend=GraphgearBackend(config))``.
+
+    Holds its own copy of the config: changing the caller's config object afterwards
+    does not change an existing backend.
+    """
+
+    def __init__(
+        self,
+        compiler_config: CompilerConfig | None = None,
+        custom_decompositions: Mapping[Any, Callable[..., Any]] | None = None,
+    ) -> None:
+        if compiler_config is not None and not isinstance(compiler_config, CompilerConfig):
+            raise TypeError(
+                f"graphgear.get_backend: compiler_config must be a graphgear.CompilerConfig, "
+                f"got {type(compiler_config).__name__}."
+            )
+        self.config = (compiler_config or CompilerConfig()).copy()
+        self.custom_decompositions = dict(custom_decompositions or {})
+
+    def get_compiler_config(self) -> None:  # dynamo asks backends for this
+        return None
+
+    def _config_for_call(self, mode: str | None, options: Mapping[str, Any] | None) -> CompilerConfig:
+        if mode is None and not options:
+            return self.config
+        config = self.config.copy()
+        if mode is not None:
+            if mode not in _TORCH_MODES:
+                raise ValueError(
+                    f"graphgear: torch.compile(mode={mode!r}) is not a mode graphgear knows; "
+                    f"allowed: {', '.join(map(repr, _TORCH_MODES))}."
+                )
+            if _TORCH_MODES[mode] is not None:
+                config.mode = _TORCH_MODES[mode]
+        apply_options(config, options)
+        return config
+
+    def __call__(
+        self,
+        gm: fx.GraphModule,
+        example_inputs: Sequence[Any],
+        *,
+        mode: str | None = None,
+        options: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> Callable[..., Any]:
+        if kwargs:
+            raise ValueError(
+                f"graphgear: unexpected backend arguments {sorted(kwargs)}; torch.compile "
+                "passes mode= and options= only."
+            )
+        config = self._config_for_call(mode, options)
+        inputs = GraphInputs.from_dynamo(gm, example_inputs)
+        if config.debug.graph_dump.type is not None:
+            debug.dump_graph(gm, config, "dynamo", "dynamo")
+        compiler = functools.partial(
+            compile_graph, config=config, input_names=inputs.names, boxed=True
+        )
+        fw_compiler, inference_compiler, joint_compiler = _wrap_compiler(compiler, config)
+        fw_compiler = _set_gear_to_compiler(fw_compiler, config, inputs.dim_gears)
+        inference_compiler = _set_gear_to_compiler(inference_compiler, config, inputs.dim_gears)
+        decompositions = default_decompositions(config)
+        decompositions.update(self.custom_decompositions)
+        return _aot_module_simplified(
+            gm,
+            example_inputs,
+            fw_compiler=fw_compiler,
+            bw_compiler=joint_compiler,
+            inference_compiler=inference_compiler,
+            partition_fn=_get_partition_fn(config),
+            decompositions=decompositions,
+            keep_inference_input_mutations=config.experimental_config.keep_inference_input_mutations,
+        )
+
+
+def get_backend(
+    compiler_config: CompilerConfig | None = None,
+    custom_decompositions: Mapping[Any, Callable[..., Any]] | None = None,
+) -> GraphgearBackend:
+    """A backend for ``torch.compile`` built from ``compiler_config`` (default config if None)."""
+    return GraphgearBackend(compiler_config, custom_decompositions)
+
+
+def graphgear_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable[..., Any]:
+    """The backend registered as ``"graphgear"``: default config, ``options=`` applied."""
+    return GraphgearBackend()(gm, example_inputs, **kwargs)
+
+
+def _is_aten_graph(gm: fx.GraphModule) -> bool:
+    for n in gm.graph.nodes:
+        if n.op == "call_module":
+            return False
+        if n.op == "call_function" and not isinstance(n.target, torch._ops.OpOverload):
+            import operator
+
+            if n.target not in (operator.getitem,):
+                return False
+        if n.op == "call_method":
+            return False
+    return True
+
+
+def get_compiler(config: CompilerConfig | None = None) -> Callable[[fx.GraphModule, Sequence[Any]], Callable[..., Any]]:
+    """The FX compiler alone: ``compiler(gm, example_inputs) -> callable``.
+
+    Aten-level graphs (``make_fx``) go straight to the mode's compiler; torch-level
+    graphs (dynamo, ``symbolic_trace``) go through the whole pipeline first.
+    """
+    config = (config or CompilerConfig()).copy()
+    backend = GraphgearBackend(config)
+
+    def compiler(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        if _is_aten_graph(gm):
+            return compile_graph(gm, example_inputs, config=config, stage="inference", static_inputs=[])
+        return backend(gm, example_inputs)
+
+    return compiler

@@ -1,0 +1,27 @@
+"""What every mode compiler receives besides the graph."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..config import CompilerConfig
+    from ..stats import GraphRecord
+
+
+@dataclasses.dataclass
+class CompileContext:
+    """One graph's compile: config, stage, stats record and input attributes.
+
+    ``static_inputs`` are never copied (parameters, buffers, ``mark_static_address``);
+    ``mutated_inputs`` are written in place by the graph (KV caches); ``input_names``
+    are the user's names where dynamo knows them.
+    """
+
+    config: CompilerConfig
+    stage: str
+    record: GraphRecord
+    input_names: list[str]
+    static_inputs: list[int]
+    mutated_inputs: list[int]

@@ -1,0 +1,330 @@
+"""Typed compiler configuration, validated on assignment.
+
+``CompilerConfig`` is a tree of small config objects, one per concern (as TorchAir's
+``configs/``): ``debug``, ``experimental_config``, ``inference_config`` and
+``capture_config``. Every leaf is an :class:`Option` that checks each value assigned
+to it; assigning an unknown attribute or a value outside an option's allowed set raises
+``ValueError`` naming the option and what is allowed. Values live on the instance, so
+two configs (and two backends) never share state.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+__all__ = [
+    "CaptureConfig",
+    "CompilerConfig",
+    "DebugConfig",
+    "ExperimentalConfig",
+    "FxSummaryConfig",
+    "GraphDumpConfig",
+    "InferenceConfig",
+    "Option",
+    "apply_options",
+]
+
+
+class Option:
+    """One validated leaf option.
+
+    ``choices`` lists the allowed values; ``check`` is a predicate for open sets (its
+    ``allowed`` text is shown in errors).
+    """
+
+    def __init__(
+        self,
+        default: Any,
+        doc: str,
+        *,
+        choices: tuple[Any, ...] | None = None,
+        check: Callable[[Any], bool] | None = None,
+        allowed: str | None = None,
+    ) -> None:
+        self.default = default
+        self.doc = doc
+        self.choices = choices
+        self.check = check
+        self.allowed = allowed or (", ".join(repr(c) for c in choices) if choices else "any value")
+        self.name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def validate(self, path: str, value: Any) -> Any:
+        if self.choices is not None:
+            # bool is an int: compare by type too so 1 is not accepted for True.
+            if not any(value is c or (type(value) is type(c) and value == c) for c in self.choices):
+                raise ValueError(
+                    f"graphgear: option {path!r} got {value!r}; allowed values: {self.allowed}."
+                )
+        elif self.check is not None and not self.check(value):
+            raise ValueError(
+                f"graphgear: option {path!r} got {value!r}; allowed values: {self.allowed}."
+            )
+        return value
+
+
+def _is_int(lo: int) -> Callable[[Any], bool]:
+    return lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= lo
+
+
+def _is_pass(v: Any) -> bool:
+    return v is None or callable(v)
+
+
+def _is_str(v: Any) -> bool:
+    return isinstance(v, str) and bool(v)
+
+
+_BOOL = (True, False)
+
+
+class _Section:
+    """Base for one config section: options are class-level ``Option`` descriptors,
+    sub-sections are class-level ``_Section`` subclasses; values live in the instance."""
+
+    _aliases: dict[str, str] = {}
+
+    def __init__(self, _path: str = "") -> None:
+        object.__setattr__(self, "_path", _path)
+        values: dict[str, Any] = {}
+        subs: dict[str, _Section] = {}
+        for name, opt in self._options().items():
+            values[name] = copy.deepcopy(opt.default)
+        for name, cls in self._sections().items():
+            subs[name] = cls(f"{_path}{name}.")
+        object.__setattr__(self, "_values", values)
+        object.__setattr__(self, "_subs", subs)
+
+    @classmethod
+    def _options(cls) -> dict[str, Option]:
+        out: dict[str, Option] = {}
+        for klass in reversed(cls.__mro__):
+            for name, v in vars(klass).items():
+                if isinstance(v, Option):
+                    out[name] = v
+        return out
+
+    @classmethod
+    def _sections(cls) -> dict[str, type[_Section]]:
+        out: dict[str, type[_Section]] = {}
+        for klass in reversed(cls.__mro__):
+            for name, v in vars(klass).items():
+                if isinstance(v, type) and issubclass(v, _Section) and not name.startswith("_"):
+                    out[name] = v
+        return out
+
+    def _known(self) -> list[str]:
+        return sorted([*self._values, *self._subs, *self._aliases])
+
+    def __getattribute__(self, name: str) -> Any:
+        if not name.startswith("_"):
+            d = object.__getattribute__(self, "__dict__")
+            if name in d.get("_values", {}):
+                return d["_values"][name]
+            if name in d.get("_subs", {}):
+                return d["_subs"][name]
+            aliases = type(self)._aliases
+            if name in aliases:
+                return d["_values"][aliases[name]]
+        return object.__getattribute__(self, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        name = self._aliases.get(name, name)
+        if name in self._subs:
+            raise ValueError(
+                f"graphgear: {self._path}{name} is a section, not an option; assign its "
+                f"options instead, e.g. config.{self._path}{name}.<option> = value. "
+                f"Options there: {', '.join(self._subs[name]._known())}."
+            )
+        if name not in self._values:
+            raise ValueError(
+                f"graphgear: unknown option {self._path}{name!r}; known options here: "
+                f"{', '.join(self._known())}."
+            )
+        opt = self._options()[name]
+        self._values[name] = opt.validate(self._path + name, value)
+
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        """Yield ``(dotted_path, value)`` for every leaf option."""
+        for name, value in self._values.items():
+            yield self._path + name, value
+        for sub in self._subs.values():
+            yield from sub
+
+    def as_dict(self) -> dict[str, Any]:
+        """Nested plain dict of every option's value."""
+        out: dict[str, Any] = dict(self._values)
+        for name, sub in self._subs.items():
+            out[name] = sub.as_dict()
+        return out
+
+    def _load(self, data: Mapping[str, Any]) -> None:
+        for key, value in data.items():
+            key = self._aliases.get(key, key)
+            if key in self._subs:
+                if not isinstance(value, Mapping):
+                    raise ValueError(
+                        f"graphgear: {self._path}{key} is a section and needs a dict, got {value!r}."
+                    )
+                self._subs[key]._load(value)
+            else:
+                setattr(self, key, value)
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and self.as_dict() == other.as_dict()  # type: ignore[union-attr]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.as_dict()!r})"
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Section:
+        new = type(self)(self._path)
+        new._load(self.as_dict())
+        return new
+
+    def copy(self) -> Any:
+        """An independent copy."""
+        return copy.deepcopy(self)
+
+
+class GraphDumpConfig(_Section):
+    type = Option(None, "dump each graph at each stage: 'txt' (tabular) or 'py' (code)",
+                  choices=(None, "txt", "py"))
+    path = Option(".", "folder the dumps go to", check=_is_str, allowed="a non-empty path string")
+
+
+class FxSummaryConfig(_Section):
+    type = Option(None, "'csv': one row per op type, count and support", choices=(None, "csv"))
+    path = Option(".", "folder the summaries go to", check=_is_str, allowed="a non-empty path string")
+
+
+class DebugConfig(_Section):
+    graph_dump = GraphDumpConfig
+    fx_summary = FxSummaryConfig
+    run_eagerly = Option(False, "run the optimised FX graph as it is: no capture, no codegen",
+                         choices=_BOOL)
+
+
+class ExperimentalConfig(_Section):
+    _aliases = {"npu_fx_pass": "fx_passes"}
+    fx_passes = Option(False, "joint-graph fusion passes (RMSNorm, rotary, attention)", choices=_BOOL)
+    keep_inference_input_mutations = Option(True, "in-place updates of inputs stay in the graph",
+                                            choices=_BOOL)
+    frozen_parameter = Option(False, "parameter addresses are fixed: left out of the graph key",
+                              choices=_BOOL)
+    remove_noop_ops = Option(True, "remove no-op ops (identity views, x+0, x*1, clones)",
+                             choices=_BOOL)
+    pattern_fusion_pass = Option(True, "built-in pattern passes and registered replacements",
+                                 choices=_BOOL)
+    post_grad_custom_pre_pass = Option(None, "user pass fn(gm, example_inputs, config), first",
+                                       check=_is_pass, allowed="None or a callable")
+    post_grad_custom_post_pass = Option(None, "user pass fn(gm, example_inputs, config), last",
+                                        check=_is_pass, allowed="None or a callable")
+
+
+class InferenceConfig(_Section):
+    dynamic_gears_merge_policy = Option("zip", "how gears of several dims combine",
+                                        choices=("zip", "product"))
+    gear_padding = Option(False, "pad a size up to the next gear, slice outputs back", choices=_BOOL)
+
+
+def _is_pool(v: Any) -> bool:
+    return v is None or (isinstance(v, tuple) and len(v) == 2) or hasattr(v, "pool_id")
+
+
+class CaptureConfig(_Section):
+    capture_limit = Option(64, "captured graphs per FX graph", check=_is_int(1),
+                           allowed="an int >= 1")
+    clone_input = Option(True, "copy user inputs into static buffers before replay", choices=_BOOL)
+    clone_output = Option(False, "return fresh tensors instead of static outputs", choices=_BOOL)
+    use_custom_pool = Option(None, "a memory pool shared by several compiled models",
+                             check=_is_pool,
+                             allowed="None, graphgear.capture.MemoryPool() or a CUDA pool handle")
+    reuse_pool_across_gears = Option(True, "the captures of one FX graph share memory",
+                                     choices=_BOOL)
+    warmup_iters = Option(1, "uncaptured runs before capture", check=_is_int(0),
+                          allowed="an int >= 0")
+    fallback = Option("eager", "what a graph that cannot be captured does", choices=("eager", "raise"))
+
+
+class CompilerConfig(_Section):
+    """The whole configuration of a graphgear backend.
+
+    >>> config = CompilerConfig()
+    >>> config.mode = "reduce-overhead"
+    >>> config.capture_config.capture_limit = 16
+    """
+
+    mode = Option("max-autotune", "whole-graph compilation or capture and replay",
+                  choices=("max-autotune", "reduce-overhead"))
+    debug = DebugConfig
+    experimental_config = ExperimentalConfig
+    inference_config = InferenceConfig
+    capture_config = CaptureConfig
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> CompilerConfig:
+        """Build a config from ``as_dict()`` output (nested) or from option paths."""
+        config = cls()
+        nested = {k: v for k, v in data.items() if "." not in k}
+        config._load(nested)
+        apply_options(config, {k: v for k, v in data.items() if "." in k})
+        return config
+
+    @classmethod
+    def option_paths(cls) -> dict[str, Option]:
+        """Every leaf option by its dotted path."""
+        out: dict[str, Option] = {}
+
+        def walk(section: type[_Section], prefix: str) -> None:
+            for name, opt in section._options().items():
+                out[prefix + name] = opt
+            for name, sub in section._sections().items():
+                walk(sub, f"{prefix}{name}.")
+
+        walk(cls, "")
+        return out
+
+
+def _resolve_key(key: str) -> str:
+    paths = CompilerConfig.option_paths()
+    if key in paths:
+        return key
+    aliases = {"experimental_config.npu_fx_pass": "experimental_config.fx_passes"}
+    if key in aliases:
+        return aliases[key]
+    leaf_matches = [p for p in paths if p.rsplit(".", 1)[-1] == key]
+    if key == "npu_fx_pass":
+        leaf_matches = ["experimental_config.fx_passes"]
+    if len(leaf_matches) == 1:
+        return leaf_matches[0]
+    if len(leaf_matches) > 1:
+        raise ValueError(
+            f"graphgear: option {key!r} is ambiguous; use its full path, one of: "
+            f"{', '.join(sorted(leaf_matches))}."
+        )
+    unique_leaves = sorted(
+        leaf for leaf in {p.rsplit(".", 1)[-1] for p in paths}
+        if sum(p.rsplit(".", 1)[-1] == leaf for p in paths) == 1
+    )
+    raise ValueError(
+        f"graphgear: unknown option {key!r}. Known options: {', '.join(sorted(paths))} "
+        f"(unique leaf names also work: {', '.join(unique_leaves)})."
+    )
+
+
+def apply_options(config: CompilerConfig, options: Mapping[str, Any] | None) -> CompilerConfig:
+    """Apply ``torch.compile(options=...)`` style keys (dotted paths or unique leaves)."""
+    for key, value in (options or {}).items():
+        if not isinstance(key, str):
+            raise ValueError(f"graphgear: option names are strings, got {key!r}.")
+        path = _resolve_key(key)
+        section: Any = config
+        *parents, leaf = path.split(".")
+        for p in parents:
+            section = getattr(section, p)
+        setattr(section, leaf, value)
+    return config

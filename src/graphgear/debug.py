@@ -1,0 +1,147 @@
+"""Graph dumps (``debug.graph_dump``) and op summaries (``debug.fx_summary``).
+
+Layout on disk: every file is named ``gg_<seq>_<graph>_<stage>.<ext>``, where ``seq``
+is a five-digit counter shared by the whole process, so a plain ``ls`` sorts files in
+the order graphgear produced them; ``graph`` is the record name (``graph_003_forward``)
+and ``stage`` one of ``dynamo`` (the graph dynamo handed over), ``forward``,
+``backward``, ``inference`` (the AOT graph as received), ``after_<pass>`` (after each
+pass that changed something), ``final`` (what the mode compiles).
+
+``txt`` is one row per node: opcode, name, target, args, kwargs (the layout of
+``torch.fx.Graph.print_tabular``). ``py`` is the graph module's readable Python code.
+``fx_summary`` writes ``gg_<seq>_<graph>_summary.csv`` with the columns
+``op,count,supported,note``: every op target, how often it occurs, and whether the
+chosen mode handles it natively (``yes``) or not (``no``, with the reason).
+"""
+
+from __future__ import annotations
+
+import collections
+import csv
+import itertools
+import logging
+import os
+import threading
+from typing import TYPE_CHECKING
+
+import torch
+from torch import fx
+
+if TYPE_CHECKING:
+    from .config import CompilerConfig
+
+log = logging.getLogger(__name__)
+
+_seq = itertools.count()
+_seq_lock = threading.Lock()
+
+
+def _next_seq() -> int:
+    with _seq_lock:
+        return next(_seq)
+
+
+def tabular(graph: fx.Graph) -> str:
+    """``Graph.print_tabular``'s table as a string, without the ``tabulate`` package."""
+    header = ["opcode", "name", "target", "args", "kwargs"]
+    rows = [[n.op, n.name, _target_name(n.target), str(n.args), str(n.kwargs)] for n in graph.nodes]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
+              for i, h in enumerate(header)]
+    sep = "  ".join("-" * w for w in widths)
+    out = ["  ".join(h.ljust(w) for h, w in zip(header, widths)), sep]
+    out += ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in rows]
+    return "\n".join(out) + "\n"
+
+
+def _target_name(target: object) -> str:
+    if isinstance(target, str):
+        return target
+    if isinstance(target, torch._ops.OpOverload | torch._ops.OpOverloadPacket):
+        return str(target)
+    return getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or str(target)
+
+
+def dump_graph(gm: fx.GraphModule, config: CompilerConfig, graph_name: str, stage: str) -> str | None:
+    """Write ``gm`` if ``debug.graph_dump.type`` is set; returns the file written."""
+    kind = config.debug.graph_dump.type
+    if kind is None:
+        return None
+    folder = config.debug.graph_dump.path
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"gg_{_next_seq():05d}_{graph_name}_{stage}.{kind}")
+    text = tabular(gm.graph) if kind == "txt" else gm.print_readable(print_output=False)
+    with open(path, "w") as f:
+        f.write(text)
+    log.debug("graphgear: dumped %s", path)
+    return path
+
+
+# Ops that read device data back to the host or produce data-dependent shapes: a
+# device graph cannot hold them.
+UNCAPTURABLE = {
+    "aten._local_scalar_dense": "reads a tensor value back to the host (.item())",
+    "aten.nonzero": "output shape depends on the data",
+    "aten.masked_select": "output shape depends on the data",
+    "aten.unique": "output shape depends on the data",
+    "aten._unique2": "output shape depends on the data",
+    "aten.unique_consecutive": "output shape depends on the data",
+    "aten.unique_dim": "output shape depends on the data",
+    "aten.repeat_interleave": "output shape depends on the data",
+    "aten.bernoulli": "random numbers: replay would repeat the captured draw",
+    "aten.rand": "random numbers: replay would repeat the captured draw",
+    "aten.randn": "random numbers: replay would repeat the captured draw",
+    "aten.randint": "random numbers: replay would repeat the captured draw",
+    "aten.rand_like": "random numbers: replay would repeat the captured draw",
+    "aten.randn_like": "random numbers: replay would repeat the captured draw",
+    "aten.native_dropout": "random numbers: replay would repeat the captured draw",
+    "aten.normal": "random numbers: replay would repeat the captured draw",
+    "aten.multinomial": "random numbers: replay would repeat the captured draw",
+}
+
+
+def op_key(target: object) -> str:
+    """``aten.add`` for ``aten.add.Tensor``; the qualified name for other callables."""
+    if isinstance(target, torch._ops.OpOverload):
+        return f"{target.namespace}.{target._opname}"
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return f"{target._qualified_op_name.replace('::', '.')}"
+    return _target_name(target)
+
+
+def op_support(target: object, mode: str) -> tuple[bool, str]:
+    """Whether ``mode`` handles ``target`` natively, and why not."""
+    key = op_key(target)
+    if mode == "reduce-overhead" and key in UNCAPTURABLE:
+        return False, UNCAPTURABLE[key]
+    if mode == "max-autotune" and isinstance(target, torch._ops.OpOverload):
+        from torch._inductor import lowering
+
+        if target in lowering.lowerings or target.overloadpacket in lowering.lowerings:
+            return True, "lowered by Inductor"
+        if target in lowering.fallbacks or target.overloadpacket in getattr(lowering, "fallbacks", ()):
+            return True, "Inductor calls the ATen kernel (fallback)"
+        return False, "no Inductor lowering: runs as an ATen fallback"
+    return True, ""
+
+
+def fx_summary(gm: fx.GraphModule, config: CompilerConfig, graph_name: str, mode: str) -> str | None:
+    """Write the op summary CSV if ``debug.fx_summary.type`` is set; returns the file."""
+    if config.debug.fx_summary.type is None:
+        return None
+    counts: collections.Counter[str] = collections.Counter()
+    targets: dict[str, object] = {}
+    for n in gm.graph.nodes:
+        if n.op in ("call_function", "call_method", "call_module"):
+            key = op_key(n.target)
+            counts[key] += 1
+            targets.setdefault(key, n.target)
+    folder = config.debug.fx_summary.path
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"gg_{_next_seq():05d}_{graph_name}_summary.csv")
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["op", "count", "supported", "note"])
+        for key, count in sorted(counts.items()):
+            ok, note = op_support(targets[key], mode)
+            w.writerow([key, count, "yes" if ok else "no", note])
+    return path

@@ -1,0 +1,112 @@
+"""Per-input attributes of a graph: names, gears, static and mutated inputs.
+
+The backend records them for the graph dynamo hands over (step 1 of the pipeline); the
+mode compilers read them for the AOT graphs they receive.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import fx
+
+__all__ = ["GraphInputs", "dynamo_input_names", "mutated_placeholders", "static_input_indices"]
+
+
+@dataclasses.dataclass
+class GraphInputs:
+    """What the backend learnt about the inputs of one dynamo graph."""
+
+    names: list[str]
+    dim_gears: dict[int, dict[int, list[int]]]  # input index -> {dim: gears}
+    parameters: list[int]
+    static: list[int]
+
+    @classmethod
+    def from_dynamo(cls, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> GraphInputs:
+        from .gears import get_dim_gears
+
+        names = dynamo_input_names(gm, len(example_inputs))
+        gears: dict[int, dict[int, list[int]]] = {}
+        params: list[int] = []
+        static: list[int] = []
+        for i, x in enumerate(example_inputs):
+            if not isinstance(x, torch.Tensor):
+                continue
+            g = get_dim_gears(x)
+            if g:
+                gears[i] = g
+            if isinstance(x, torch.nn.Parameter):
+                params.append(i)
+                static.append(i)
+            elif getattr(x, "_dynamo_static_input_type", None) is not None:
+                static.append(i)
+        return cls(names=names, dim_gears=gears, parameters=params, static=static)
+
+
+def dynamo_input_names(gm: fx.GraphModule, n: int) -> list[str]:
+    """The user's names of the graph inputs (``x``, ``self.k_cache``), else positions."""
+    names: list[str] = []
+    for node in gm.graph.find_nodes(op="placeholder"):
+        arg = node.meta.get("grapharg")
+        src = getattr(arg, "source", None)
+        name = src.name if src is not None and hasattr(src, "name") else None
+        if callable(name):
+            name = name()
+        names.append(_pretty_source(name) if name else node.name)
+    names += [f"input {i}" for i in range(len(names), n)]
+    return names[:n]
+
+
+def _pretty_source(name: str) -> str:
+    # L['x'] -> x ; L['self']._modules['a'].k_cache -> self.a.k_cache
+    import re
+
+    name = re.sub(r"\._(?:modules|parameters|buffers)\['([^']+)'\]", r".\1", name)
+    name = re.sub(r"^[LG]\['([^']+)'\]", r"\1", name)
+    return name
+
+
+def static_input_indices(num_inputs: int) -> list[int]:
+    """Indices AOTAutograd marked static (parameters, buffers, ``mark_static_address``)."""
+    ctx = torch._guards.TracingContext.try_get()
+    meta = getattr(ctx, "fw_metadata", None) if ctx is not None else None
+    idx = getattr(meta, "static_input_indices", None)
+    if idx is None:
+        return []
+    return [i for i in idx if i < num_inputs]
+
+
+_INPLACE_COPY = {torch.ops.aten.copy_.default}
+
+
+def mutated_placeholders(gm: fx.GraphModule) -> list[int]:
+    """Indices of placeholders written in place by the graph (KV caches)."""
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    index = {p: i for i, p in enumerate(placeholders)}
+    out: set[int] = set()
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        schema = node.target._schema
+        for a, arg in zip(schema.arguments, node.args):
+            if a.alias_info is not None and a.alias_info.is_write and isinstance(arg, fx.Node):
+                base = _view_base(arg)
+                if base in index:
+                    out.add(index[base])
+    return sorted(out)
+
+
+def _view_base(node: fx.Node) -> fx.Node:
+    while (
+        node.op == "call_function"
+        and isinstance(node.target, torch._ops.OpOverload)
+        and node.target.is_view
+        and node.args
+        and isinstance(node.args[0], fx.Node)
+    ):
+        node = node.args[0]
+    return node

@@ -1,0 +1,90 @@
+"""The pass manager: ordered, named FX passes, each timed, each switchable.
+
+A pass is a :class:`GraphPass`: it has a ``name``, says whether the config enables it,
+and rewrites a graph in place, returning how many changes it made. The manager runs the
+enabled passes in order, records each pass's changes and time in the graph's stats
+record, and dumps the graph after every pass that changed it (``debug.graph_dump``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from torch import fx
+
+from .. import debug
+
+if TYPE_CHECKING:
+    from ..config import CompilerConfig
+    from ..stats import GraphRecord
+
+log = logging.getLogger(__name__)
+
+__all__ = ["GraphPass", "PassManager", "UserPass"]
+
+
+class GraphPass:
+    """Base class of one FX pass."""
+
+    name = "pass"
+
+    def enabled(self, config: CompilerConfig) -> bool:
+        return True
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], config: CompilerConfig) -> int:
+        raise NotImplementedError
+
+
+class UserPass(GraphPass):
+    """A user function ``fn(gm, example_inputs, config)`` run as a pass."""
+
+    def __init__(self, name: str, fn: Callable[..., Any]) -> None:
+        self.name = name
+        self.fn = fn
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], config: CompilerConfig) -> int:
+        before = len(gm.graph.nodes)
+        text = str(gm.graph)
+        result = self.fn(gm, example_inputs, config)
+        if isinstance(result, fx.GraphModule) and result is not gm:
+            raise TypeError(
+                f"graphgear: user pass {self.name} returned a new GraphModule; passes must "
+                "edit the graph they are given in place and return None."
+            )
+        return 1 if (len(gm.graph.nodes) != before or str(gm.graph) != text) else 0
+
+
+class PassManager:
+    """Runs passes in order; see the module docstring."""
+
+    def __init__(self, passes: Sequence[GraphPass]) -> None:
+        self.passes = list(passes)
+
+    def names(self) -> list[str]:
+        return [p.name for p in self.passes]
+
+    def run(
+        self,
+        gm: fx.GraphModule,
+        example_inputs: Sequence[Any],
+        config: CompilerConfig,
+        record: GraphRecord | None = None,
+    ) -> fx.GraphModule:
+        for p in self.passes:
+            if not p.enabled(config):
+                continue
+            t0 = time.perf_counter()
+            changed = p(gm, example_inputs, config)
+            if changed:
+                gm.graph.lint()
+                gm.recompile()
+            dt = time.perf_counter() - t0
+            log.debug("graphgear pass %s: %d changes in %.4fs", p.name, changed, dt)
+            if record is not None:
+                record.passes[p.name] = record.passes.get(p.name, 0) + int(changed)
+                if changed:
+                    debug.dump_graph(gm, config, record.name, f"after_{p.name}")
+        return gm

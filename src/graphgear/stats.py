@@ -1,0 +1,130 @@
+"""Per-graph statistics: what was compiled, captured, replayed, refused and why.
+
+Every graph a graphgear compiler receives gets one :class:`GraphRecord`, appended to a
+process-wide list in compile order. ``graphgear.stats()`` returns a snapshot of it;
+``graphgear.reset()`` clears it and releases every compiled artifact that registered a
+release hook.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+__all__ = ["GraphRecord", "Stats", "new_record", "register_release", "reset", "stats"]
+
+
+@dataclasses.dataclass
+class GraphRecord:
+    """What graphgear knows about one compiled FX graph."""
+
+    name: str
+    stage: str  # "forward" | "backward" | "inference"
+    mode: str  # "max-autotune" | "reduce-overhead" | "eager" (debug.run_eagerly)
+    inputs: list[str] = dataclasses.field(default_factory=list)
+    num_nodes: int = 0
+    gears: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
+    compiles: int = 0
+    captures: int = 0
+    replays: int = 0
+    fallbacks: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    compile_seconds: float = 0.0
+    pool_bytes: int = 0
+    passes: dict[str, int] = dataclasses.field(default_factory=dict)
+    uncaptured_runs: int = 0
+
+    def add_fallback(self, op: str, reason: str) -> None:
+        if (op, reason) not in self.fallbacks:
+            self.fallbacks.append((op, reason))
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class Stats:
+    """A snapshot of every :class:`GraphRecord`, in compile order."""
+
+    def __init__(self, graphs: list[GraphRecord]) -> None:
+        self.graphs = graphs
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"graphs": [g.as_dict() for g in self.graphs]}
+
+    def __len__(self) -> int:
+        return len(self.graphs)
+
+    def __str__(self) -> str:
+        cols = ["name", "stage", "mode", "gears", "compiles", "captures", "replays",
+                "fallbacks", "compile_s", "pool_bytes"]
+        rows = [
+            [g.name, g.stage, g.mode, str(len(g.gears)) if g.gears else "-", str(g.compiles),
+             str(g.captures), str(g.replays),
+             "; ".join(f"{op}: {why}" for op, why in g.fallbacks) or "-",
+             f"{g.compile_seconds:.2f}", str(g.pool_bytes)]
+            for g in self.graphs
+        ]
+        widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c)
+                  for i, c in enumerate(cols)]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths))]
+        lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in rows]
+        if not rows:
+            lines.append("(no graphs compiled)")
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+_lock = threading.Lock()
+_records: list[GraphRecord] = []
+_counter = itertools.count()
+_releasers: list[weakref.ref[Any] | Callable[[], Any]] = []
+
+
+def new_record(stage: str, mode: str) -> GraphRecord:
+    """Create and register the record of a newly compiled graph."""
+    with _lock:
+        rec = GraphRecord(name=f"graph_{next(_counter):03d}_{stage}", stage=stage, mode=mode)
+        _records.append(rec)
+    return rec
+
+
+def register_release(obj: Any) -> None:
+    """Register an object with a ``release()`` method; ``reset()`` calls it.
+
+    Held weakly: an artifact that is already gone needs no release.
+    """
+    with _lock:
+        _releasers.append(weakref.ref(obj))
+
+
+def stats() -> Stats:
+    """Statistics of every graph compiled since the last :func:`reset`."""
+    with _lock:
+        return Stats(list(_records))
+
+
+def reset() -> None:
+    """Drop every compiled and captured graph and free its memory.
+
+    Functions compiled before keep working: dynamo's caches are cleared too, so their
+    next call compiles again.
+    """
+    import torch
+
+    with _lock:
+        releasers = list(_releasers)
+        _releasers.clear()
+        _records.clear()
+    for ref in releasers:
+        obj = ref() if isinstance(ref, weakref.ref) else ref
+        if obj is not None:
+            obj.release()
+    torch._dynamo.reset()
+    log.debug("graphgear.reset(): released %d artifacts", len(releasers))
