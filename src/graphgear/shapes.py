@@ -138,3 +138,17 @@ class _Runner(torch.nn.Module):
 
     def forward(self, *args: Any) -> Any:
         return fx.Interpreter(self.gm).run(*args)
+
+
+def known_equal(a: Any, b: Any) -> bool:
+    """``a == b`` for sizes, shapes or strides, true only when it holds for every value
+    of the symbols. Never adds a guard: passes must not specialise a dynamic graph."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    if isinstance(a, tuple | list | torch.Size) or isinstance(b, tuple | list | torch.Size):
+        if len(a) != len(b):
+            return False
+        return all(known_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.SymInt) or isinstance(b, torch.SymInt):
+        return bool(statically_known_true(a == b))
+    return a == b

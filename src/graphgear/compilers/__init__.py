@@ -11,8 +11,10 @@ from typing import TYPE_CHECKING, Any
 from torch import fx
 
 from .. import debug
+from ..gears import GearedGraph, GearPlan, output_specs
 from ..inputs import mutated_placeholders, static_input_indices
 from ..passes import post_grad_pass_manager
+from ..shapes import ShapeInfo, specialize
 from ..stats import new_record
 from .base import CompileContext
 from .eager import compile_eager
@@ -82,12 +84,69 @@ def compile_graph(
         static_inputs=static,
         mutated_inputs=mutated_placeholders(gm),
     )
-    fn = _convention(MODE_COMPILERS[mode](gm, example_inputs, ctx), boxed)
-    record.compiles += 1
+    compiled = _compile_by_shape(gm, example_inputs, ctx, mode)
+    if not getattr(compiled, "per_key", False):
+        record.compiles += 1
+    fn = _convention(compiled, boxed)
     record.compile_seconds += time.perf_counter() - t0
     log.info("graphgear: compiled %s (%s, %d ops) in %.2fs", record.name, mode,
              record.num_nodes, record.compile_seconds)
     return fn
+
+
+def _compile_by_shape(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: CompileContext, mode: str
+) -> Callable[..., Any]:
+    """Compile ``gm`` as it is when its shapes are static; otherwise dispatch by graph key.
+
+    max-autotune compiles one static graph per gear (a dynamic graph without gears is
+    compiled once, with dynamic shapes); reduce-overhead captures one static graph per
+    key; run_eagerly runs the dynamic graph. Gears are checked (and padded) in every mode.
+    """
+    compiler = MODE_COMPILERS[mode]
+    info = ShapeInfo(gm)
+    if not info.is_dynamic:
+        return compiler(gm, example_inputs, ctx)
+    plan = None
+    if ctx.stage != "backward":
+        plan = GearPlan.build(
+            info, example_inputs, ctx.input_names, ctx.config.inference_config.dynamic_gears_merge_policy
+        )
+    per_key = mode == "reduce-overhead" or (mode == "max-autotune" and plan is not None)
+    if per_key and info.unreadable:
+        ctx.record.add_fallback(
+            "graph key", f"symbols {info.unreadable} occur only inside expressions; compiled "
+            "once with dynamic shapes instead of once per key"
+        )
+        per_key = False
+    if not per_key:
+        whole = compiler(gm, example_inputs, ctx)
+        if plan is None:
+            return whole
+        whole_plain = _convention(whole, boxed=False)
+        build: Callable[[tuple[int, ...]], Callable[..., Any]] = lambda key: whole_plain  # noqa: E731
+    else:
+
+        def build(key: tuple[int, ...]) -> Callable[..., Any]:
+            t0 = time.perf_counter()
+            static_gm, static_inputs = specialize(gm, info, key)
+            fn = _convention(compiler(static_gm, static_inputs, ctx), boxed=False)
+            ctx.record.compiles += 1
+            ctx.record.compile_seconds += time.perf_counter() - t0
+            log.info("graphgear: %s specialised to key %s", ctx.record.name, key)
+            return fn
+
+    geared = GearedGraph(
+        info,
+        plan,
+        build,
+        padding=ctx.config.inference_config.gear_padding,
+        out_specs=output_specs(gm, info),
+        mutated=ctx.mutated_inputs,
+        record=ctx.record,
+    )
+    geared.per_key = per_key
+    return geared
 
 
 def _convention(fn: Callable[..., Any], boxed: bool) -> Callable[..., Any]:

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from ..shapes import known_equal
 from .manager import GraphPass
 
 aten = torch.ops.aten
@@ -24,8 +25,8 @@ def _same_meta(a: Any, b: Any) -> bool:
         and isinstance(b, torch.Tensor)
         and a.dtype == b.dtype
         and a.device == b.device
-        and a.shape == b.shape
-        and a.stride() == b.stride()
+        and known_equal(a.shape, b.shape)
+        and known_equal(a.stride(), b.stride())
     )
 
 
@@ -84,9 +85,10 @@ class RemoveNoopOps(GraphPass):
             if t is aten._to_copy.default and set(node.kwargs) - {"dtype", "layout", "device"}:
                 return False
             return True
-        if t in (aten.add.Tensor, aten.sub.Tensor) and len(node.args) == 2 and node.args[1] == 0 \
-                and not node.kwargs:
-            return True
-        if t in (aten.mul.Tensor, aten.div.Tensor) and len(node.args) == 2 and node.args[1] == 1:
-            return True
+        scalar = node.args[1] if len(node.args) == 2 else None
+        if type(scalar) in (int, float) and not node.kwargs:
+            if t in (aten.add.Tensor, aten.sub.Tensor) and scalar == 0:
+                return True
+            if t in (aten.mul.Tensor, aten.div.Tensor) and scalar == 1:
+                return True
         return False
