@@ -1,13 +1,373 @@
-"""Joint-graph fusion passes (``experimental_config.fx_passes``)."""
+"""Joint-graph fusion passes (``experimental_config.fx_passes``).
+
+Run on the joint forward+backward graph before partitioning (training) and on the
+inference graph (no grad). Each rewrites a pattern models write by hand into one fused
+op, only where the fused op computes what the pattern computes:
+
+* ``rms_norm_fusion``: ``w * (x * rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))`` (either
+  order of the outer product) → ``aten._fused_rms_norm`` (float32/float64, 1-D weight
+  over the last dim).
+* ``rotary_fusion``: ``x * cos + rotate_half(x) * sin`` with
+  ``rotate_half(x) = cat(-x[..., h:], x[..., :h])`` → ``graphgear::rotary_rotate_half``.
+* ``attention_fusion``: ``softmax(q @ k^T * scale [+ mask]) @ v`` (or ``/ inv_scale``),
+  float mask added, softmax over the last dim → ``aten.scaled_dot_product_attention``.
+
+In a joint graph the patterns are traced forward and backward together, so a match
+replaces the op and its gradient; a forward-only match whose intermediates the
+backward reads is refused by the matcher. Every pass is a :class:`GraphPass`, run by a
+:class:`PassManager` (timed, dumped, switchable).
+"""
 
 from __future__ import annotations
 
+import functools
+import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import fx
+
+from .manager import GraphPass, PassManager
+from .patterns import PatternSet, Replacement, decomp_kind
+
+log = logging.getLogger(__name__)
+
+aten = torch.ops.aten
+
+__all__ = ["JOINT_LOG", "joint_graph_passes", "joint_pass_manager"]
+
+# one entry per call of joint_graph_passes: what each pass found (tests, benchmarks)
+JOINT_LOG: list[dict[str, Any]] = []
+
+
+def _val(n: Any) -> Any:
+    return n.meta.get("val") if isinstance(n, fx.Node) else None
+
+
+def _nodes(match: Any, *targets: Any) -> list[fx.Node]:
+    return [n for n in match.nodes if n.op == "call_function" and n.target in targets]
+
+
+def _is_last_dim(dims: Any, rank: int) -> bool:
+    if isinstance(dims, int):
+        dims = [dims]
+    return list(dims) in ([-1], [rank - 1])
+
+
+# ---------------------------------------------------------------- RMSNorm
+
+
+def _rms_a(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _rms_b(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)) * w
+
+
+def _rms_replace(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return aten._fused_rms_norm.default(x, [x.shape[-1]], w, eps)[0]
+
+
+def _rms_check(match: Any) -> bool:
+    x, w = _val(match.kwargs.get("x")), _val(match.kwargs.get("w"))
+    if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor):
+        return False
+    # _fused_rms_norm computes in float32 for half inputs, the pattern in half: refuse
+    if x.dtype not in (torch.float32, torch.float64) or w.dtype != x.dtype:
+        return False
+    if w.dim() != 1 or x.dim() < 1 or w.shape[0] != x.shape[-1]:
+        return False
+    for n in _nodes(match, aten.pow.Tensor_Scalar):
+        if n.args[1] != 2:
+            return False
+    for n in _nodes(match, aten.mean.dim):
+        if not _is_last_dim(n.args[1], x.dim()) or not (n.args[2] if len(n.args) > 2 else n.kwargs.get("keepdim")):
+            return False
+    out = _val(match.output_nodes()[0]) if match.output_nodes() else None
+    return not (isinstance(out, torch.Tensor) and out.shape != x.shape)
+
+
+def _rms_inputs(training: bool) -> list[Any]:
+    return [torch.randn(2, 3, 8, requires_grad=training), torch.randn(8, requires_grad=training), 1e-6]
+
+
+# ---------------------------------------------------------------- rotary
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+def _rope_a(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
+
+
+def _rope_b(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2:]
+    return (x * cos) + (torch.cat((-x2, x1), dim=-1) * sin)
+
+
+def _rope_replace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    from . import ops  # noqa: F401  (defines graphgear::rotary_rotate_half)
+
+    return torch.ops.graphgear.rotary_rotate_half.default(x, cos, sin)
+
+
+def _rope_check(match: Any) -> bool:
+    x, cos, sin = (_val(match.kwargs.get(k)) for k in ("x", "cos", "sin"))
+    if not all(isinstance(t, torch.Tensor) for t in (x, cos, sin)):
+        return False
+    if not (x.dtype == cos.dtype == sin.dtype) or not x.dtype.is_floating_point:
+        return False
+    d = x.shape[-1]
+    if not isinstance(d, int) or d % 2 or cos.shape[-1] != d or sin.shape[-1] != d:
+        return False
+    try:
+        if torch.broadcast_shapes(x.shape, cos.shape, sin.shape) != x.shape:
+            return False
+    except RuntimeError:
+        return False
+    h = d // 2
+    for n in _nodes(match, aten.slice.Tensor):
+        dim = n.args[1] if len(n.args) > 1 else 0
+        start = n.args[2] if len(n.args) > 2 else None
+        end = n.args[3] if len(n.args) > 3 else None
+        step = n.args[4] if len(n.args) > 4 else 1
+        if dim not in (-1, x.dim() - 1) or step != 1:
+            return False
+        if (start in (0, None) and end == h) or (start == h and (end is None or end >= d)):
+            continue
+        return False
+    for n in _nodes(match, aten.cat.default):
+        dim = n.args[1] if len(n.args) > 1 else 0
+        if dim not in (-1, x.dim() - 1):
+            return False
+        first = n.args[0][0]
+        if not (isinstance(first, fx.Node) and first.target is aten.neg.default):
+            return False
+    return True
+
+
+def _rope_inputs(training: bool) -> list[Any]:
+    return [
+        torch.randn(2, 4, 3, 8, requires_grad=training),
+        torch.randn(1, 1, 3, 8),
+        torch.randn(1, 1, 3, 8),
+    ]
+
+
+# ---------------------------------------------------------------- attention
+
+
+def _attention_fns(dims: tuple[int, int]) -> list[tuple[Any, Any, bool, str]]:
+    """Search/replace pairs for one way of writing ``k^T`` (``k.transpose(*dims)``):
+    ``* scale`` or ``/ inv_scale``, with or without an additive mask."""
+    a, b = dims
+
+    def attn_mul_mask(q: Any, k: Any, v: Any, mask: Any, scale: float) -> Any:
+        s = torch.matmul(q, k.transpose(a, b)) * scale + mask
+        return torch.matmul(torch.softmax(s, dim=-1), v)
+
+    def attn_div_mask(q: Any, k: Any, v: Any, mask: Any, inv_scale: float) -> Any:
+        s = torch.matmul(q, k.transpose(a, b)) / inv_scale + mask
+        return torch.matmul(torch.softmax(s, dim=-1), v)
+
+    def attn_mul(q: Any, k: Any, v: Any, scale: float) -> Any:
+        return torch.matmul(torch.softmax(torch.matmul(q, k.transpose(a, b)) * scale, dim=-1), v)
+
+    def attn_div(q: Any, k: Any, v: Any, inv_scale: float) -> Any:
+        return torch.matmul(torch.softmax(torch.matmul(q, k.transpose(a, b)) / inv_scale, dim=-1), v)
+
+    return [
+        (attn_mul_mask, _sdpa_mul_mask, True, "scale"),
+        (attn_div_mask, _sdpa_div_mask, True, "inv_scale"),
+        (attn_mul, _sdpa_mul, False, "scale"),
+        (attn_div, _sdpa_div, False, "inv_scale"),
+    ]
+
+
+# k.transpose(2, 3) (Llama), (-2, -1), (-1, -2) (GPT-2): the matcher compares them exactly
+_TRANSPOSES = ((2, 3), (-2, -1), (-1, -2))
+
+
+def _sdpa_mul_mask(q: Any, k: Any, v: Any, mask: Any, scale: float) -> Any:
+    return aten.scaled_dot_product_attention.default(q, k, v, attn_mask=mask, scale=scale)
+
+
+def _sdpa_div_mask(q: Any, k: Any, v: Any, mask: Any, inv_scale: float) -> Any:
+    return aten.scaled_dot_product_attention.default(q, k, v, attn_mask=mask, scale=1.0 / inv_scale)
+
+
+def _sdpa_mul(q: Any, k: Any, v: Any, scale: float) -> Any:
+    return aten.scaled_dot_product_attention.default(q, k, v, scale=scale)
+
+
+def _sdpa_div(q: Any, k: Any, v: Any, inv_scale: float) -> Any:
+    return aten.scaled_dot_product_attention.default(q, k, v, scale=1.0 / inv_scale)
+
+
+_SOFTMAX_REDUCTIONS = (aten._softmax.default, aten.amax.default, aten.sum.dim_IntList,
+                       aten._softmax_backward_data.default)
+
+
+def _attn_check(match: Any) -> bool:
+    q, k, v = (_val(match.kwargs.get(n)) for n in ("q", "k", "v"))
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        return False
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return False
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float32, torch.float64,
+                                                              torch.float16, torch.bfloat16):
+        return False
+    if q.shape[:2] != k.shape[:2] or k.shape[:2] != v.shape[:2] or q.shape[-1] != k.shape[-1] \
+            or k.shape[-2] != v.shape[-2]:
+        return False
+    mask = _val(match.kwargs.get("mask")) if "mask" in match.kwargs else None
+    scores_shape = (*q.shape[:-1], k.shape[-2])
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor) or mask.dtype != q.dtype:
+            return False  # bool masks select with -inf / finfo.min: other semantics
+        try:
+            if torch.broadcast_shapes(mask.shape, scores_shape) != torch.Size(scores_shape):
+                return False
+        except RuntimeError:
+            return False
+    for n in _nodes(match, aten.permute.default):
+        dims = list(n.args[1])
+        if dims != [0, 1, 3, 2]:
+            return False
+    for n in _nodes(match, aten.transpose.int):
+        if sorted(d % 4 for d in n.args[1:3]) != [2, 3]:
+            return False
+    for n in _nodes(match, *_SOFTMAX_REDUCTIONS):
+        dim = n.args[1]
+        val = _val(n.args[0])
+        rank = val.dim() if isinstance(val, torch.Tensor) else 4
+        if not _is_last_dim(dim, rank):
+            return False
+    for n in _nodes(match, aten._softmax.default):
+        if n.args[2]:  # half_to_float
+            return False
+    return True
+
+
+def _attn_inputs(training: bool, with_mask: bool) -> list[Any]:
+    def t() -> torch.Tensor:
+        return torch.randn(2, 4, 8, 16, requires_grad=training)
+
+    out: list[Any] = [t(), t(), t()]
+    if with_mask:
+        out.append(torch.randn(2, 1, 8, 8))
+    out.append(0.25)
+    return out
+
+
+# ---------------------------------------------------------------- registry
+
+
+@functools.cache
+def builtin_patterns() -> PatternSet:
+    """The built-in fusions, each traced for inference and for training graphs."""
+    ps = PatternSet()
+    for training in (False, True):
+        sfx = "_training" if training else ""
+        for fn in (_rms_a, _rms_b):
+            ps.add(f"rms_norm{sfx}", Replacement(
+                fn.__name__, fn, _rms_replace, functools.partial(_rms_inputs, training),
+                extra_check=_rms_check, scalar_workaround={"eps": 1e-6}, training=training))
+        for fn in (_rope_a, _rope_b):
+            ps.add(f"rotary{sfx}", Replacement(
+                fn.__name__, fn, _rope_replace, functools.partial(_rope_inputs, training),
+                extra_check=_rope_check, training=training))
+        for dims in _TRANSPOSES:
+            for search, repl, mask, scalar in _attention_fns(dims):
+                ps.add(f"attention{sfx}", Replacement(
+                    f"{search.__name__}_t{dims[0]}{dims[1]}", search, repl,
+                    functools.partial(_attn_inputs, training, mask),
+                    extra_check=_attn_check, scalar_workaround={scalar: 0.25}, training=training))
+    return ps
+
+
+def _is_joint(gm: fx.GraphModule) -> bool:
+    return any(p.name.startswith("tangents") for p in gm.graph.find_nodes(op="placeholder"))
+
+
+class _FusionPass(GraphPass):
+    group = ""
+
+    def enabled(self, config: Any) -> bool:
+        return bool(config.experimental_config.fx_passes)
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], config: Any) -> int:
+        group = self.group + ("_training" if _is_joint(gm) else "")
+        n = builtin_patterns().apply(gm, decomp_kind(config), [group])[group]
+        if n:
+            from torch._inductor.pattern_matcher import stable_topological_sort
+
+            # replacements go where the match's output was; in a joint graph their
+            # inputs (tangents) can come later
+            stable_topological_sort(gm.graph)
+            gm.graph.eliminate_dead_code()
+        return n
+
+
+class RMSNormFusion(_FusionPass):
+    name = "rms_norm_fusion"
+    group = "rms_norm"
+
+
+class RotaryFusion(_FusionPass):
+    name = "rotary_fusion"
+    group = "rotary"
+
+
+class AttentionFusion(_FusionPass):
+    name = "attention_fusion"
+    group = "attention"
+
+
+class NormalizeNoops(GraphPass):
+    """Drop the no-op views and expands the pattern graphs were traced without
+    (Inductor's ``remove_noop_ops``), so the patterns can match."""
+
+    name = "joint_remove_noops"
+
+    def enabled(self, config: Any) -> bool:
+        return bool(config.experimental_config.fx_passes)
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], config: Any) -> int:
+        from torch._inductor.fx_passes.post_grad import remove_noop_ops
+
+        before = len(gm.graph.nodes)
+        remove_noop_ops(gm.graph)
+        return before - len(gm.graph.nodes)
+
+
+def joint_pass_manager() -> PassManager:
+    return PassManager([NormalizeNoops(), RMSNormFusion(), RotaryFusion(), AttentionFusion()])
 
 
 def joint_graph_passes(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Any) -> int:
     """Run the joint-graph fusion passes on ``gm`` in place; returns the number of rewrites."""
-    return 0
+    if not config.experimental_config.fx_passes:
+        return 0
+    t0 = time.perf_counter()
+    before = sum(1 for n in gm.graph.nodes if n.op == "call_function")
+    counts: dict[str, int] = {}
+    joint_pass_manager().run(gm, example_inputs, config, counts=counts, dump_name="joint")
+    after = sum(1 for n in gm.graph.nodes if n.op == "call_function")
+    rewrites = sum(v for k, v in counts.items() if k != NormalizeNoops.name)
+    entry = {"training": _is_joint(gm), "kind": decomp_kind(config), "matches": counts,
+             "nodes_before": before, "nodes_after": after, "seconds": time.perf_counter() - t0}
+    JOINT_LOG.append(entry)
+    gm.meta["graphgear_joint_passes"] = dict(counts)
+    log.info("graphgear joint passes (%s, %s): %s; %d -> %d ops in %.3fs",
+             "training" if entry["training"] else "inference", entry["kind"], counts, before,
+             after, entry["seconds"])
+    return rewrites
+

@@ -62,6 +62,7 @@ class PassManager:
 
     def __init__(self, passes: Sequence[GraphPass]) -> None:
         self.passes = list(passes)
+        self.seconds: dict[str, float] = {}  # pass name -> seconds spent, over all runs
 
     def names(self) -> list[str]:
         return [p.name for p in self.passes]
@@ -72,7 +73,13 @@ class PassManager:
         example_inputs: Sequence[Any],
         config: CompilerConfig,
         record: GraphRecord | None = None,
+        *,
+        counts: dict[str, int] | None = None,
+        dump_name: str | None = None,
     ) -> fx.GraphModule:
+        """Run the enabled passes in order. Each pass's changes are added to
+        ``record.passes`` and ``counts`` (when given); after a pass that changed the
+        graph, the graph is dumped under the record's name (or ``dump_name``)."""
         for p in self.passes:
             if not p.enabled(config):
                 continue
@@ -83,8 +90,12 @@ class PassManager:
                 gm.recompile()
             dt = time.perf_counter() - t0
             log.debug("graphgear pass %s: %d changes in %.4fs", p.name, changed, dt)
+            self.seconds[p.name] = self.seconds.get(p.name, 0.0) + dt
+            if counts is not None:
+                counts[p.name] = counts.get(p.name, 0) + int(changed)
             if record is not None:
                 record.passes[p.name] = record.passes.get(p.name, 0) + int(changed)
-                if changed:
-                    debug.dump_graph(gm, config, record.name, f"after_{p.name}")
+            name = record.name if record is not None else dump_name
+            if changed and name is not None:
+                debug.dump_graph(gm, config, name, f"after_{p.name}")
         return gm

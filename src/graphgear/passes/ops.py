@@ -1,0 +1,190 @@
+"""The fused ops the fusion passes rewrite to, and how to undo them for Inductor.
+
+* RMSNorm → ``aten._fused_rms_norm`` (ATen has it in 2.13, with a CPU kernel, an
+  autograd formula and a decomposition); no graphgear op is needed.
+* Rotate-half rotary embedding → ``graphgear::rotary_rotate_half(x, cos, sin)``
+  (``x * cos + rotate_half(x) * sin``), defined here with a CPU/CUDA implementation,
+  a fake implementation and an autograd formula.
+* Attention → ``aten.scaled_dot_product_attention``.
+
+Inductor has no lowering for the graphgear op and only an extern fallback for
+``_fused_rms_norm``, so :func:`inline_decompositions` rewrites both back into the aten
+ops Inductor fuses, in place, just before ``max-autotune`` hands a graph to Inductor.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import fx
+from torch.utils import _pytree as pytree
+
+log = logging.getLogger(__name__)
+
+aten = torch.ops.aten
+
+__all__ = ["inline_decompositions", "inductor_fused_op_decompositions", "rotary_rotate_half"]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The unfused formula, as models write it (the decomposition of the fused op)."""
+    return x * cos + _rotate_half(x) * sin
+
+
+@torch.library.custom_op("graphgear::rotary_rotate_half", mutates_args=())
+def rotary_rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` in three kernels and no concatenation.
+
+    The halves are written in place into the product ``x * cos``:
+    ``out[:h] += (-x[h:]) * sin[:h]`` and ``out[h:] += x[:h] * sin[h:]``. Each element
+    sees the same two roundings as the unfused formula (a product, then a sum).
+    """
+    if x.shape[-1] % 2:
+        raise ValueError(
+            f"graphgear::rotary_rotate_half: the last dim of x must be even, got "
+            f"shape {tuple(x.shape)}."
+        )
+    out = torch.mul(x, cos)
+    if out.shape != x.shape or out.dtype != x.dtype:
+        # cos broadcasts to more dims than x, or promotes: use the plain formula
+        return _rotary_reference(x, cos, sin)
+    h = x.shape[-1] // 2
+    sin_b = sin.expand(out.shape) if sin.dim() <= out.dim() else sin
+    out[..., :h].add_(x[..., h:] * sin_b[..., :h], alpha=-1)
+    out[..., h:].add_(x[..., :h] * sin_b[..., h:])
+    return out
+
+
+@rotary_rotate_half.register_fake
+def _rotary_fake(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    shape = torch.broadcast_shapes(x.shape, cos.shape, sin.shape)
+    dtype = torch.promote_types(torch.promote_types(x.dtype, cos.dtype), sin.dtype)
+    return x.new_empty(shape, dtype=dtype)
+
+
+def _rotary_setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    x, cos, sin = inputs
+    ctx.save_for_backward(x, cos, sin)
+
+
+def _unbroadcast(g: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return g.sum_to_size(like.shape) if g.shape != like.shape else g
+
+
+def _rotary_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    x, cos, sin = ctx.saved_tensors
+    gx = gcos = gsin = None
+    if ctx.needs_input_grad[0]:
+        # d/dx of rotate_half(x) * sin is -rotate_half(grad * sin)
+        gs = grad * sin
+        gx = _unbroadcast(grad * cos - _rotate_half(gs), x)
+    if ctx.needs_input_grad[1]:
+        gcos = _unbroadcast(grad * x, cos)
+    if ctx.needs_input_grad[2]:
+        gsin = _unbroadcast(grad * _rotate_half(x), sin)
+    return gx, gcos, gsin
+
+
+rotary_rotate_half.register_autograd(_rotary_backward, setup_context=_rotary_setup_context)
+
+
+def _fused_rms_norm_decomp(
+    x: torch.Tensor, normalized_shape: list[int], weight: torch.Tensor | None, eps: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from torch._decomp.decompositions import _fused_rms_norm
+
+    return _fused_rms_norm(x, normalized_shape, weight, eps)
+
+
+def inductor_fused_op_decompositions() -> dict[Any, Callable[..., Any]]:
+    """The fused ops Inductor cannot fuse further, with the aten formula it can."""
+    from torch._decomp.decompositions import _fused_rms_norm_backward
+
+    return {
+        torch.ops.graphgear.rotary_rotate_half.default: _rotary_reference,
+        aten._fused_rms_norm.default: _fused_rms_norm_decomp,
+        aten._fused_rms_norm_backward.default: _fused_rms_norm_backward,
+    }
+
+
+def _fake_mode_of(gm: fx.GraphModule) -> Any:
+    from torch._guards import detect_fake_mode
+
+    vals = [n.meta.get("val") for n in gm.graph.nodes if "val" in n.meta]
+    return detect_fake_mode(vals)
+
+
+def inline_decompositions(gm: fx.GraphModule, table: dict[Any, Callable[..., Any]]) -> int:
+    """Replace every call of an op in ``table`` by the traced aten ops of its
+    decomposition, in place. Returns the number of calls replaced."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    targets = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in table]
+    if not targets:
+        return 0
+    fake_mode = _fake_mode_of(gm)
+    count = 0
+    for node in targets:
+        flat, spec = pytree.tree_flatten((node.args, node.kwargs))
+        node_pos = [i for i, a in enumerate(flat) if isinstance(a, fx.Node)]
+        if any("val" not in flat[i].meta for i in node_pos):
+            log.debug("graphgear: %s has inputs without fake values; left fused", node.name)
+            continue
+
+        def fn(*tensors: Any, _flat: list[Any] = flat, _pos: list[int] = node_pos,
+               _spec: Any = spec, _decomp: Callable[..., Any] = table[node.target]) -> Any:
+            full = list(_flat)
+            for i, t in zip(_pos, tensors):
+                full[i] = t
+            args, kwargs = pytree.tree_unflatten(full, _spec)
+            return _decomp(*args, **kwargs)
+
+        vals = [flat[i].meta["val"] for i in node_pos]
+        ctx = fake_mode if fake_mode is not None else _nullcontext()
+        with ctx:
+            sub = make_fx(fn, tracing_mode="real")(*vals)
+        env: dict[fx.Node, Any] = {}
+        placeholders = list(sub.graph.find_nodes(op="placeholder"))
+        for ph, i in zip(placeholders, node_pos):
+            env[ph] = flat[i]
+        with gm.graph.inserting_before(node):
+            out = gm.graph.graph_copy(sub.graph, env)
+        _replace_outputs(gm.graph, node, out)
+        count += 1
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return count
+
+
+class _nullcontext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def _replace_outputs(graph: fx.Graph, node: fx.Node, out: Any) -> None:
+    import operator
+
+    if isinstance(out, list | tuple):
+        for user in list(node.users):
+            if user.target is operator.getitem:
+                user.replace_all_uses_with(out[user.args[1]])
+                graph.erase_node(user)
+        if node.users:
+            raise RuntimeError(
+                f"graphgear: cannot inline {node.target}: its tuple result is used whole "
+                f"by {list(node.users)}."
+            )
+    else:
+        node.replace_all_uses_with(out)
+    graph.erase_node(node)
