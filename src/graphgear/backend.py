@@ -26,6 +26,7 @@ from torch import fx
 from . import debug
 from .compilers import compile_graph, mode_of
 from .config import CompilerConfig, apply_options
+from .errors import ConfigError, GraphgearError
 from .gears import guard_gears_shape, set_dim_gears
 from .inputs import GraphInputs
 from .passes.joint import joint_graph_passes
@@ -118,6 +119,8 @@ class GraphgearBackend:
     does not change an existing backend.
     """
 
+    __name__ = "graphgear"  # dynamo names the backend by it in its messages
+
     def __init__(
         self,
         compiler_config: CompilerConfig | None = None,
@@ -140,7 +143,7 @@ class GraphgearBackend:
         config = self.config.copy()
         if mode is not None:
             if mode not in _TORCH_MODES:
-                raise ValueError(
+                raise ConfigError(
                     f"graphgear: torch.compile(mode={mode!r}) is not a mode graphgear knows; "
                     f"allowed: {', '.join(map(repr, _TORCH_MODES))}."
                 )
@@ -158,8 +161,27 @@ class GraphgearBackend:
         options: Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> Callable[..., Any]:
+        try:
+            return self._compile(gm, example_inputs, mode, options, kwargs)
+        except GraphgearError as e:
+            if not _from_dynamo(gm):
+                raise  # called directly, not by dynamo
+            # Dynamo re-raises its own BackendCompilerFailed as it is; building it here
+            # keeps graphgear's error as __cause__ (dynamo's wrapper would drop it).
+            from torch._dynamo.exc import BackendCompilerFailed
+
+            raise BackendCompilerFailed(self, e, inspect.currentframe()) from e
+
+    def _compile(
+        self,
+        gm: fx.GraphModule,
+        example_inputs: Sequence[Any],
+        mode: str | None,
+        options: Mapping[str, Any] | None,
+        kwargs: Mapping[str, Any],
+    ) -> Callable[..., Any]:
         if kwargs:
-            raise ValueError(
+            raise ConfigError(
                 f"graphgear: unexpected backend arguments {sorted(kwargs)}; torch.compile "
                 "passes mode= and options= only."
             )
@@ -185,6 +207,10 @@ class GraphgearBackend:
             decompositions=decompositions,
             keep_inference_input_mutations=config.experimental_config.keep_inference_input_mutations,
         )
+
+
+def _from_dynamo(gm: fx.GraphModule) -> bool:
+    return any("grapharg" in n.meta for n in gm.graph.find_nodes(op="placeholder"))
 
 
 def get_backend(
@@ -226,6 +252,13 @@ def get_compiler(config: CompilerConfig | None = None) -> Callable[[fx.GraphModu
     def compiler(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         if _is_aten_graph(gm):
             return compile_graph(gm, example_inputs, config=config, stage="inference", static_inputs=[])
-        return backend(gm, example_inputs)
+        out = next(iter(gm.graph.find_nodes(op="output")))
+        if isinstance(out.args[0], tuple | list):
+            return backend(gm, example_inputs)
+        # AOTAutograd wants tuple outputs: wrap a single output, unwrap it at run time
+        out.args = ((out.args[0],),)
+        gm.recompile()
+        compiled = backend(gm, example_inputs)
+        return lambda *args: compiled(*args)[0]
 
     return compiler

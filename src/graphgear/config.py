@@ -14,6 +14,8 @@ import copy
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+from .errors import ConfigError
+
 __all__ = [
     "CaptureConfig",
     "CompilerConfig",
@@ -57,11 +59,11 @@ class Option:
         if self.choices is not None:
             # bool is an int: compare by type too so 1 is not accepted for True.
             if not any(value is c or (type(value) is type(c) and value == c) for c in self.choices):
-                raise ValueError(
+                raise ConfigError(
                     f"graphgear: option {path!r} got {value!r}; allowed values: {self.allowed}."
                 )
         elif self.check is not None and not self.check(value):
-            raise ValueError(
+            raise ConfigError(
                 f"graphgear: option {path!r} got {value!r}; allowed values: {self.allowed}."
             )
         return value
@@ -135,14 +137,14 @@ class _Section:
     def __setattr__(self, name: str, value: Any) -> None:
         name = self._aliases.get(name, name)
         if name in self._subs:
-            raise ValueError(
+            raise ConfigError(
                 f"graphgear: {self._path}{name} is a section, not an option; assign its "
                 f"options instead, e.g. config.{self._path}{name}.<option> = value. "
                 f"Options there: {', '.join(self._subs[name]._known())}."
             )
         if name not in self._values:
-            raise ValueError(
-                f"graphgear: unknown option {self._path}{name!r}; known options here: "
+            raise ConfigError(
+                f"graphgear: unknown option {self._path + name!r}; known options here: "
                 f"{', '.join(self._known())}."
             )
         opt = self._options()[name]
@@ -167,7 +169,7 @@ class _Section:
             key = self._aliases.get(key, key)
             if key in self._subs:
                 if not isinstance(value, Mapping):
-                    raise ValueError(
+                    raise ConfigError(
                         f"graphgear: {self._path}{key} is a section and needs a dict, got {value!r}."
                     )
                 self._subs[key]._load(value)
@@ -302,7 +304,7 @@ def _resolve_key(key: str) -> str:
     if len(leaf_matches) == 1:
         return leaf_matches[0]
     if len(leaf_matches) > 1:
-        raise ValueError(
+        raise ConfigError(
             f"graphgear: option {key!r} is ambiguous; use its full path, one of: "
             f"{', '.join(sorted(leaf_matches))}."
         )
@@ -310,7 +312,7 @@ def _resolve_key(key: str) -> str:
         leaf for leaf in {p.rsplit(".", 1)[-1] for p in paths}
         if sum(p.rsplit(".", 1)[-1] == leaf for p in paths) == 1
     )
-    raise ValueError(
+    raise ConfigError(
         f"graphgear: unknown option {key!r}. Known options: {', '.join(sorted(paths))} "
         f"(unique leaf names also work: {', '.join(unique_leaves)})."
     )
@@ -320,7 +322,7 @@ def apply_options(config: CompilerConfig, options: Mapping[str, Any] | None) -> 
     """Apply ``torch.compile(options=...)`` style keys (dotted paths or unique leaves)."""
     for key, value in (options or {}).items():
         if not isinstance(key, str):
-            raise ValueError(f"graphgear: option names are strings, got {key!r}.")
+            raise ConfigError(f"graphgear: option names are strings, got {key!r}.")
         path = _resolve_key(key)
         section: Any = config
         *parents, leaf = path.split(".")

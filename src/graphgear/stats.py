@@ -67,7 +67,7 @@ class Stats:
             [g.name, g.stage, g.mode, str(len(g.gears)) if g.gears else "-", str(g.compiles),
              str(g.captures), str(g.replays),
              "; ".join(f"{op}: {why}" for op, why in g.fallbacks) or "-",
-             f"{g.compile_seconds:.2f}", str(g.pool_bytes)]
+             f"{g.compile_seconds:.3f}", str(g.pool_bytes)]
             for g in self.graphs
         ]
         widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c)
@@ -118,7 +118,9 @@ def reset() -> None:
     """
     import torch
 
+    global _counter
     with _lock:
+        _counter = itertools.count()
         releasers = list(_releasers)
         _releasers.clear()
         _records.clear()

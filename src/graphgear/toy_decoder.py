@@ -140,9 +140,13 @@ class ToyDecoder(nn.Module):
         self.register_buffer("causal_mask", causal, persistent=False)
 
     def reset_cache(self) -> None:
-        for layer in self.layers:
-            layer.attn.k_cache.zero_()
-            layer.attn.v_cache.zero_()
+        """Zero the KV cache in place (same storage), dropping any autograd history a
+        training step left on it."""
+        with torch.no_grad():
+            for layer in self.layers:
+                for buf in (layer.attn.k_cache, layer.attn.v_cache):
+                    buf.detach_()
+                    buf.zero_()
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)
