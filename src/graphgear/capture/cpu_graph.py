@@ -1,0 +1,216 @@
+"""graphgear's CPU graph: capture once, replay without Python per op.
+
+PyTorch has no CPU graph. graphgear's works like a device graph:
+
+* **capture** compiles the static graph of one graph key to native code once (Inductor's
+  C++ code generation, on a graph re-traced with Inductor's decompositions, with tiny
+  matrix products (one row, as in batch-1 decoding) lowered to fused C++ loops instead of
+  ATen ``mm`` calls), then runs it once while *recording* every buffer it allocates: the
+  ``k``-th allocation is the pool's block ``k``. Inputs are bound to static buffers.
+* **replay** copies the user inputs into the static buffers and runs the native code
+  again with the allocator replaced by the record: it allocates nothing, and its
+  intermediates and outputs land in the same pool memory as at capture. Outputs that
+  the generated code does not allocate itself (an ATen kernel's result) are copied into
+  a static output buffer, so every output lives in pool memory and is overwritten by
+  the next replay, exactly as on a device.
+
+The compiled code is cached on disk by Inductor (``TORCHINDUCTOR_CACHE_DIR``), so a
+second process captures in about a second. When Inductor cannot compile a graph the
+CPU graph records the FX graph itself (same memory rules, no speed-up) and says so.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import fx
+
+from .pool import MemoryPool
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CPUGraph", "compile_static"]
+
+# Inductor's name for the allocator in its generated Python wrapper.
+_ALLOC_NAMES = ("empty_strided_cpu",)
+
+
+def _nbytes(size: Sequence[int], stride: Sequence[int], dtype: torch.dtype) -> int:
+    if any(s == 0 for s in size):
+        return 0
+    span = 1 + sum((s - 1) * st for s, st in zip(size, stride))
+    return span * dtype.itemsize
+
+
+def decompose_static(gm: fx.GraphModule, args: Sequence[Any]) -> fx.GraphModule:
+    """``gm`` re-traced with Inductor's decompositions at the sizes of ``args`` (fake
+    tracing: inputs are not touched)."""
+    from torch._decomp import core_aten_decompositions  # noqa: F401  (registers tables)
+    from torch._guards import tracing
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    with unset_fake_temporarily(), tracing(None):
+        return make_fx(gm, decomposition_table=select_decomp_table(), tracing_mode="fake",
+                       record_module_stack=False)(*args)
+
+
+def compile_static(
+    gm: fx.GraphModule, args: Sequence[Any], *, stage: str, static_idx: Sequence[int]
+) -> Callable[[list[Any]], Any]:
+    """Inductor-compile a static-shape graph for the CPU graph; boxed callable."""
+    from torch._guards import tracing
+    from torch._inductor import config as inductor_config
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    dgm = decompose_static(gm, args)
+    with tracing(None), inductor_config.patch(
+        post_grad_fusion_options={"decompose_mm_pass": {}}, freezing=False,
+        # inputs are bound at capture: their sizes and strides cannot change
+        size_asserts=False, alignment_asserts=False,
+    ):
+        compiled = compile_fx_inner(
+            dgm, list(args), static_input_idxs=list(static_idx),
+            is_inference=stage == "inference", is_backward=stage == "backward",
+        )
+    return compiled
+
+
+def _wrapper_globals(compiled: Any) -> dict[str, Any] | None:
+    """The globals of Inductor's generated ``call`` function (where its allocator is)."""
+    fn = getattr(compiled, "current_callable", None)
+    seen = 0
+    while fn is not None and seen < 5:
+        g = getattr(fn, "__globals__", None)
+        if g is not None and any(n in g for n in _ALLOC_NAMES):
+            return g
+        fn = getattr(fn, "__wrapped__", None) or getattr(fn, "func", None)
+        seen += 1
+    return None
+
+
+class CPUGraph:
+    """One captured static graph on the CPU (see the module docstring)."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, gm: fx.GraphModule, *, stage: str, static_idx: Sequence[int],
+                 pool: MemoryPool, name: str) -> None:
+        self.gm = gm
+        self.stage = stage
+        self.static_idx = list(static_idx)
+        self.pool = pool
+        self.name = name
+        self.args: list[Any] = []
+        self.record: list[torch.Tensor] = []
+        self.native = False
+        self._run: Callable[[list[Any]], Any] | None = None
+        self._globals: dict[str, Any] | None = None
+        self._alloc_name = ""
+        self._out_copy: list[tuple[int, torch.Tensor]] = []
+        self.nbytes = 0
+
+    # ---- capture -------------------------------------------------------------------
+    def capture(self, args: list[Any]) -> list[Any]:
+        """Compile, bind ``args`` (static buffers and static inputs) and run once while
+        recording allocations; returns this run's (static) outputs."""
+        self.args = args
+        try:
+            compiled = compile_static(self.gm, args, stage=self.stage, static_idx=self.static_idx)
+            g = _wrapper_globals(compiled)
+            self.native = True
+        except Exception as e:  # Inductor could not compile it: record the FX graph
+            log.warning(
+                "graphgear: %s: Inductor could not compile this graph for the CPU graph "
+                "(%s: %s); capturing the FX graph itself (same memory rules, no speed-up).",
+                self.name, type(e).__name__, e,
+            )
+            compiled, g = None, None
+        if compiled is not None:
+            fn = compiled.current_callable if getattr(compiled, "current_callable", None) else compiled
+            self._run = fn
+        else:
+            gm = self.gm
+
+            def run_fx(a: list[Any]) -> Any:
+                return gm(*a)
+
+            self._run = run_fx
+        self._globals = g
+        if g is not None:
+            self._alloc_name = next(n for n in _ALLOC_NAMES if n in g)
+        outs = self._record_run()
+        # outputs the generated code did not allocate from the pool: static copies
+        pool_ptrs = {t.untyped_storage().data_ptr() for t in self.record}
+        arg_ptrs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+        self._out_copy = []
+        result = list(outs)
+        for i, o in enumerate(result):
+            if not isinstance(o, torch.Tensor):
+                continue
+            ptr = o.untyped_storage().data_ptr()
+            if ptr in pool_ptrs or ptr in arg_ptrs:
+                continue
+            static = torch.empty_strided(o.size(), o.stride(), dtype=o.dtype, device=o.device)
+            static.copy_(o)
+            self.nbytes += _nbytes(o.size(), o.stride(), o.dtype)
+            self._out_copy.append((i, static))
+            result[i] = static
+        return result
+
+    def _record_run(self) -> list[Any]:
+        g = self._globals
+        assert self._run is not None
+        if g is None:
+            return list(self._run(list(self.args)))
+        original = g[self._alloc_name]
+        self.record = []
+        pool, record = self.pool, self.record
+
+        def recording_alloc(size: Sequence[int], stride: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+            n = _nbytes(size, stride, dtype)
+            blk = pool.block(len(record), n, self.device)
+            t = torch.empty((), dtype=dtype).set_(blk, 0, tuple(size), tuple(stride))
+            record.append(t)
+            return t
+
+        g[self._alloc_name] = recording_alloc
+        try:
+            outs = list(self._run(list(self.args)))
+        finally:
+            g[self._alloc_name] = original
+        self.nbytes += sum(_nbytes(t.size(), t.stride(), t.dtype) for t in record)
+        return outs
+
+    # ---- replay --------------------------------------------------------------------
+    def replay(self) -> list[Any]:
+        """Run the record on the static buffers; returns the static outputs."""
+        g = self._globals
+        run = self._run
+        assert run is not None
+        if g is None:
+            outs = list(run(list(self.args)))
+        else:
+            nxt = iter(self.record).__next__
+            name = self._alloc_name
+            original = g[name]
+            g[name] = lambda size, stride, dtype: nxt()
+            try:
+                outs = list(run(list(self.args)))
+            finally:
+                g[name] = original
+        for i, static in self._out_copy:
+            static.copy_(outs[i])
+            outs[i] = static
+        return outs
+
+    def release(self) -> None:
+        self.args = []
+        self.record = []
+        self._out_copy = []
+        self._run = None
+        self._globals = None
