@@ -1,4 +1,15 @@
-"""``max-autotune``: hand the whole graph to Inductor."""
+"""``max-autotune``: hand the whole graph to Inductor.
+
+:func:`compile_inductor` compiles one aten graph (forward, backward or inference), after
+graphgear's passes, with Inductor's graph compiler (``compile_fx_inner``). It compiles
+the graph as given: a dynamic graph once for all its sizes, a static graph (one gear,
+as the gear dispatcher hands it) for that size. Inductor's on-disk cache
+(``TORCHINDUCTOR_CACHE_DIR``) makes a second process's compile of the same graph fast.
+
+The fusion passes leave fused ops Inductor can only call as extern kernels
+(``graphgear::rotary_rotate_half``, ``aten._fused_rms_norm``); they are inlined back
+into aten ops first, so Inductor fuses them with their neighbours into generated code.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +17,19 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 from torch import fx
 
 from .base import CompileContext
 
 log = logging.getLogger(__name__)
+
+__all__ = ["INDUCTOR_PATCHES", "compile_inductor", "inductor_decompositions"]
+
+# Inductor options graphgear sets for every max-autotune compile. Measured on the
+# embedded decoder step (benchmarks/bench_max_autotune.py): see that script's report
+# before adding one. Empty: Inductor's defaults measured best on the CPU.
+INDUCTOR_PATCHES: dict[str, Any] = {}
 
 
 def inductor_decompositions() -> dict[Any, Any]:
@@ -21,15 +40,31 @@ def inductor_decompositions() -> dict[Any, Any]:
     return dict(select_decomp_table())
 
 
+def prepare_for_inductor(gm: fx.GraphModule) -> int:
+    """Inline the fused ops Inductor would run as extern kernels; returns how many."""
+    from ..passes.ops import inductor_fused_op_decompositions, inline_decompositions
+
+    return inline_decompositions(gm, inductor_fused_op_decompositions())
+
+
 def compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: CompileContext) -> Callable[..., Any]:
-    """Compile ``gm`` with Inductor's graph compiler; returns Inductor's boxed callable."""
+    """Compile ``gm`` with Inductor's graph compiler; returns Inductor's boxed callable.
+
+    The gear dispatcher calls this once per gear with a static graph; a graph with
+    symbolic sizes compiles once for all of them.
+    """
     from torch._inductor.compile_fx import compile_fx_inner
 
-    compiled = compile_fx_inner(
-        gm,
-        list(example_inputs),
-        static_input_idxs=list(ctx.static_inputs),
-        is_inference=ctx.stage == "inference",
-        is_backward=ctx.stage == "backward",
-    )
+    inlined = prepare_for_inductor(gm)
+    if inlined:
+        log.debug("graphgear: inlined %d fused ops for Inductor in %s", inlined, ctx.record.name)
+        ctx.record.passes["inline_fused_ops"] = ctx.record.passes.get("inline_fused_ops", 0) + inlined
+    with torch._inductor.config.patch(INDUCTOR_PATCHES):
+        compiled = compile_fx_inner(
+            gm,
+            list(example_inputs),
+            static_input_idxs=list(ctx.static_inputs),
+            is_inference=ctx.stage == "inference",
+            is_backward=ctx.stage == "backward",
+        )
     return compiled

@@ -80,8 +80,18 @@ class PassManager:
         """Run the enabled passes in order. Each pass's changes are added to
         ``record.passes`` and ``counts`` (when given); after a pass that changed the
         graph, the graph is dumped under the record's name (or ``dump_name``)."""
+        disabled = set(getattr(config.experimental_config, "disabled_passes", ()) or ())
+        if disabled:
+            from . import pass_names
+
+            unknown = sorted(disabled - set(pass_names()))
+            if unknown:
+                raise ValueError(
+                    f"graphgear: experimental_config.disabled_passes names unknown passes "
+                    f"{unknown}; known passes: {pass_names()}."
+                )
         for p in self.passes:
-            if not p.enabled(config):
+            if p.name in disabled or not p.enabled(config):
                 continue
             t0 = time.perf_counter()
             changed = p(gm, example_inputs, config)

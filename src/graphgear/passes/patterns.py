@@ -102,10 +102,19 @@ class PatternSet:
             return self._traced[key]
 
     def apply(self, gm: fx.GraphModule, kind: str, groups: Sequence[str] | None = None) -> dict[str, int]:
+        import contextlib
+
+        from torch._guards import detect_fake_mode
+        from torch._inductor.virtualized import V
+
         counts: dict[str, int] = {}
-        for group in groups if groups is not None else self.groups():
-            matcher = self._matcher(group, kind)
-            counts[group] = int(matcher.apply(gm.graph)) if matcher is not None else 0
+        # replacements are traced in the graph's fake mode, so new nodes get fake values
+        fake_mode = detect_fake_mode([n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")])
+        ctx = V.set_fake_mode(fake_mode) if fake_mode is not None else contextlib.nullcontext()
+        with ctx:
+            for group in groups if groups is not None else self.groups():
+                matcher = self._matcher(group, kind)
+                counts[group] = int(matcher.apply(gm.graph)) if matcher is not None else 0
         return counts
 
 
@@ -139,6 +148,7 @@ def _trace_group(group: str, replacements: list[Replacement], kind: str) -> Any:
                     trace,
                     matcher,
                     get_decomp_fn=get_decomp,
+                    skip_duplicates=True,
                     **kwargs,
                 )
         except Exception as e:  # a pattern that cannot be traced must not break compiles
