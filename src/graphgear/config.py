@@ -84,6 +84,10 @@ def _is_str(v: Any) -> bool:
 _BOOL = (True, False)
 
 
+def _is_names(v: Any) -> bool:
+    return isinstance(v, tuple | list) and all(isinstance(x, str) and x for x in v)
+
+
 class _Section:
     """Base for one config section: options are class-level ``Option`` descriptors,
     sub-sections are class-level ``_Section`` subclasses; values live in the instance."""
@@ -221,6 +225,8 @@ class ExperimentalConfig(_Section):
                              choices=_BOOL)
     pattern_fusion_pass = Option(True, "built-in pattern passes and registered replacements",
                                  choices=_BOOL)
+    disabled_passes = Option((), "names of FX passes to skip (graphgear.passes.pass_names())",
+                             check=_is_names, allowed="a tuple or list of pass names")
     post_grad_custom_pre_pass = Option(None, "user pass fn(gm, example_inputs, config), first",
                                        check=_is_pass, allowed="None or a callable")
     post_grad_custom_post_pass = Option(None, "user pass fn(gm, example_inputs, config), last",
