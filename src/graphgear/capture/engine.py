@@ -31,6 +31,7 @@ The device graph itself (CPU, CUDA, NPU) is a small class with ``capture(args)``
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import warnings
 from collections.abc import Sequence
@@ -65,6 +66,7 @@ class CaptureGroup:
 
 
 _CUSTOM_POOLS: dict[Any, MemoryPool] = {}
+_serial = itertools.count()
 
 
 def _group(ctx: CompileContext) -> CaptureGroup:
@@ -185,6 +187,7 @@ class CaptureEngine:
         self.clone_output = cc.clone_output or ctx.stage in ("forward", "backward")
         self.entries: dict[tuple[Any, ...], _Entry] = {}
         self.calls = 0
+        self.serial = next(_serial)
         register_release(self)
 
     # ---- keys and entries ------------------------------------------------------------

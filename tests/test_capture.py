@@ -1,0 +1,405 @@
+"""reduce-overhead on the CPU: every rule of "reduce-overhead semantics", with counters.
+
+Most tests use one tiny module (``Net``) so the CPU graph's Inductor compile is a cache
+hit after the first; ``_ro`` builds a reduce-overhead backend with capture options.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import graphgear
+from graphgear.capture import MemoryPool
+from graphgear.capture.engine import CaptureEngine, find_uncapturable
+
+pytestmark = pytest.mark.inductor
+
+
+def _ro(**capture: object) -> graphgear.backend.GraphgearBackend:
+    config = graphgear.CompilerConfig()
+    config.mode = "reduce-overhead"
+    for k, v in capture.items():
+        if k == "frozen_parameter":
+            config.experimental_config.frozen_parameter = v
+        else:
+            setattr(config.capture_config, k, v)
+    return graphgear.get_backend(config)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.lin(x)) * 2 + 1
+
+
+class Cache(nn.Module):
+    """Writes its input into a buffer in place (a one-slot KV cache) and reads it back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("cache", torch.zeros(4, 8))
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        self.cache.index_copy_(0, pos, self.lin(x))
+        return self.cache.sum(0, keepdim=True) * 1.5
+
+
+def _rec(stage: str = "inference") -> graphgear.stats.GraphRecord:
+    recs = [g for g in graphgear.stats().graphs if g.stage == stage]
+    assert recs, f"no {stage} graph in {graphgear.stats()}"
+    return recs[-1]
+
+
+def _engines() -> list[CaptureEngine]:
+    """The capture engines of the graphs compiled in this test, in compile order."""
+    import gc
+
+    recs = [id(g) for g in graphgear.stats().graphs]
+    found = [o for o in gc.get_objects() if type(o) is CaptureEngine and id(o.record) in recs]
+    return sorted(found, key=lambda e: (recs.index(id(e.record)), e.serial))
+
+
+@torch.no_grad()
+def test_warmup_capture_replay_counts_and_values() -> None:
+    net = Net()
+    f = torch.compile(net, backend=_ro())
+    xs = [torch.randn(2, 8) for _ in range(5)]
+    outs = [f(x).clone() for x in xs]
+    for x, o in zip(xs, outs):
+        torch.testing.assert_close(o, net(x))
+    r = _rec()
+    assert (r.uncaptured_runs, r.captures, r.replays) == (1, 1, 3)
+    assert r.pool_bytes > 0 and r.fallbacks == []
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("warmup", [0, 3])
+def test_warmup_iters(warmup: int) -> None:
+    f = torch.compile(Net(), backend=_ro(warmup_iters=warmup))
+    for _ in range(5):
+        f(torch.randn(2, 8))
+    r = _rec()
+    assert (r.uncaptured_runs, r.captures, r.replays) == (warmup, 1, 5 - warmup - 1)
+
+
+@torch.no_grad()
+def test_user_inputs_copied_into_static_buffers() -> None:
+    net = Net()
+    f = torch.compile(net, backend=_ro(warmup_iters=0))
+    f(torch.randn(2, 8))
+    eng = _engines()[-1]
+    (entry,) = eng.entries.values()
+    bound = entry.graph.args[eng.copy_idx[0]]
+    x = torch.randn(2, 8)
+    out = f(x)
+    assert bound.data_ptr() != x.data_ptr()
+    torch.testing.assert_close(bound, x)  # the replay read a copy of x
+    torch.testing.assert_close(out, net(x))
+    assert _rec().captures == 1 and _rec().replays == 1
+
+
+@torch.no_grad()
+def test_clone_input_false_binds_inputs_and_recaptures_when_they_move() -> None:
+    net = Net()
+    f = torch.compile(net, backend=_ro(warmup_iters=0, clone_input=False))
+    x = torch.randn(2, 8)
+    f(x)
+    x.copy_(torch.randn(2, 8))  # same address: replayed in place, no copy
+    torch.testing.assert_close(f(x), net(x))
+    assert (_rec().captures, _rec().replays) == (1, 1)
+    y = torch.randn(2, 8)  # a new address: captured again
+    torch.testing.assert_close(f(y), net(y))
+    assert _rec().captures == 2
+
+
+@torch.no_grad()
+def test_static_parameters_not_copied_and_address_is_part_of_the_key() -> None:
+    net = Net()
+    f = torch.compile(net, backend=_ro(warmup_iters=0))
+    x = torch.randn(2, 8)
+    f(x)
+    net.lin.weight.add_(1.0)  # in place: the bound parameter sees it, no new capture
+    torch.testing.assert_close(f(x), net(x))
+    assert _rec().captures == 1
+    eng = _engines()[-1]
+    assert eng.static_idx and not set(eng.static_idx) & set(eng.copy_idx)
+    (entry,) = eng.entries.values()
+    assert entry.graph.args[eng.static_idx[0]] is not None
+    assert {entry.graph.args[i].data_ptr() for i in eng.static_idx} >= {net.lin.weight.data_ptr()}
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("frozen", [False, True])
+def test_moved_parameter_recaptures_unless_frozen(frozen: bool) -> None:
+    net = Net()
+    f = torch.compile(net, backend=_ro(warmup_iters=0, frozen_parameter=frozen))
+    x = torch.randn(2, 8)
+    f(x)
+    moved = net.lin.weight.detach().clone() + 1
+    net.lin.weight.data = moved  # same Parameter object, new address
+    out = f(x).clone()
+    caps = sum(g.captures for g in graphgear.stats().graphs)
+    if frozen:  # the address is promised fixed: left out of the key, no new capture
+        assert caps == 1
+    else:
+        assert caps == 2
+        torch.testing.assert_close(out, net(x))
+
+
+@torch.no_grad()
+def test_mutated_input_used_in_place_and_recaptured_when_it_moves() -> None:
+    torch.manual_seed(0)
+    net, ref = Cache(), Cache()
+    ref.load_state_dict(net.state_dict())
+    f = torch.compile(net, backend=_ro(warmup_iters=1))
+    for p in range(4):
+        x = torch.randn(1, 8)
+        torch.testing.assert_close(f(x, torch.tensor([p])), ref(x, torch.tensor([p])))
+        torch.testing.assert_close(net.cache, ref.cache)  # written in place, never a copy
+    eng = _engines()[-1]
+    assert eng.mutated_idx and not set(eng.mutated_idx) & set(eng.copy_idx)
+    r = _rec()
+    assert (r.uncaptured_runs, r.captures, r.replays) == (1, 1, 2)
+    net.cache = torch.zeros(4, 8)  # the cache moves: captured again, same results
+    ref.cache = torch.zeros(4, 8)
+    x = torch.randn(1, 8)
+    torch.testing.assert_close(f(x, torch.tensor([1])), ref(x, torch.tensor([1])))
+    torch.testing.assert_close(net.cache, ref.cache)
+    assert sum(g.captures for g in graphgear.stats().graphs) == 2
+
+
+@torch.no_grad()
+def test_stale_output_raises_and_names_the_fix() -> None:
+    net = Net()
+    f = torch.compile(net, backend=_ro(warmup_iters=0))
+    x1, x2 = torch.randn(2, 8), torch.randn(2, 8)
+    out1 = f(x1)
+    kept = out1.clone()
+    view1 = out1[0]
+    out2 = f(x2)
+    for stale in (out1, view1):
+        with pytest.raises(RuntimeError, match="overwritten") as info:
+            stale + 0
+        assert "clone_output" in str(info.value) and "clone()" in str(info.value)
+    with pytest.raises(RuntimeError, match="overwritten"):
+        out1.tolist()
+    torch.testing.assert_close(kept, net(x1))
+    torch.testing.assert_close(out2, net(x2))
+    out3 = f(x1)  # out2 is stale now; out3 is valid
+    with pytest.raises(RuntimeError, match="overwritten"):
+        out2 + 0
+    torch.testing.assert_close(out3, net(x1))
+
+
+@torch.no_grad()
+def test_clone_output_returns_fresh_tensors() -> None:
+    net = Net()
+    f = torch.compile(net, backend=_ro(warmup_iters=0, clone_output=True))
+    x1, x2 = torch.randn(2, 8), torch.randn(2, 8)
+    out1, out2 = f(x1), f(x2)
+    torch.testing.assert_close(out1, net(x1))
+    torch.testing.assert_close(out2, net(x2))
+    assert out1.data_ptr() != out2.data_ptr()
+
+
+@torch.no_grad()
+def test_cpu_graph_replay_reuses_the_recorded_memory() -> None:
+    f = torch.compile(Net(), backend=_ro(warmup_iters=0))
+    f(torch.randn(2, 8))
+    eng = _engines()[-1]
+    (entry,) = eng.entries.values()
+    g = entry.graph
+    assert g.native and g.record, "the CPU graph should run Inductor code on a recorded arena"
+    ptrs = [t.data_ptr() for t in g.record]
+    o1 = g.replay()[0].data_ptr()
+    o2 = g.replay()[0].data_ptr()
+    assert o1 == o2 and o1 in {t.untyped_storage().data_ptr() for t in g.record} | set(ptrs)
+    assert [t.data_ptr() for t in g.record] == ptrs
+
+
+def _dyn(backend: object) -> object:
+    return torch.compile(Net(), backend=backend, dynamic=True)
+
+
+@torch.no_grad()
+def test_one_capture_per_graph_key_and_capture_limit_warns_once() -> None:
+    torch.manual_seed(0)
+    net = Net()
+    f = torch.compile(net, backend=_ro(warmup_iters=0, capture_limit=2), dynamic=True)
+    for n in (3, 5, 3, 5):
+        x = torch.randn(n, 8)
+        torch.testing.assert_close(f(x), net(x))
+    r = _rec()
+    assert (r.captures, r.replays) == (2, 2)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        for n in (6, 7, 6):
+            x = torch.randn(n, 8)
+            torch.testing.assert_close(f(x), net(x))
+    limit = [x for x in w if "capture_limit" in str(x.message)]
+    assert len(limit) == 1, [str(x.message) for x in w]
+    assert "raise capture_limit" in str(limit[0].message)
+    r = _rec()
+    assert r.captures == 2 and r.uncaptured_runs == 3
+    assert any(op == "capture_limit" for op, _ in r.fallbacks)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("share", [True, False])
+def test_pool_shared_across_keys(share: bool) -> None:
+    net = Net()
+    f = torch.compile(net, backend=_ro(warmup_iters=0, reuse_pool_across_gears=share), dynamic=True)
+    x3, x5 = torch.randn(3, 8), torch.randn(5, 8)
+    a = f(x3)
+    b = f(x5)
+    engines = _engines()[-2:]
+    pools = {id(e.pool) for e in engines}
+    if share:  # one pool: key 5's replay overwrote key 3's output
+        assert len(pools) == 1
+        with pytest.raises(RuntimeError, match="overwritten"):
+            a + 0
+    else:
+        assert len(pools) == 2
+        torch.testing.assert_close(a, net(x3))  # its own memory: still valid
+    torch.testing.assert_close(b, net(x5))
+    shared = graphgear.stats().graphs[-1].pool_bytes
+    assert shared > 0
+
+
+@torch.no_grad()
+def test_custom_pool_shared_by_two_models() -> None:
+    pool = MemoryPool()
+    n1, n2 = Net(), Net()
+    f1 = torch.compile(n1, backend=_ro(warmup_iters=0, use_custom_pool=pool))
+    f2 = torch.compile(n2, backend=_ro(warmup_iters=0, use_custom_pool=pool))
+    x = torch.randn(2, 8)
+    o1 = f1(x)
+    assert pool.nbytes > 0
+    first = pool.nbytes
+    o2 = f2(x)
+    assert pool.nbytes < 2 * first + 1024  # the second model reuses the first's blocks
+    assert all(e.pool is pool for e in _engines()[-2:])
+    with pytest.raises(RuntimeError, match="overwritten"):
+        o1 + 0
+    torch.testing.assert_close(o2, n2(x))
+
+
+def _nonzero_graph() -> torch.fx.GraphModule:
+    return make_fx(lambda x: torch.nonzero(x * 2))(torch.tensor([0.0, 1.0, 2.0]))
+
+
+def _rand_graph() -> torch.fx.GraphModule:
+    return make_fx(lambda x: x + torch.rand_like(x))(torch.zeros(3))
+
+
+@pytest.mark.parametrize("make, op", [(_nonzero_graph, "aten.nonzero"), (_rand_graph, "aten.rand_like")])
+def test_uncapturable_falls_back_to_eager_with_reason(make: object, op: str) -> None:
+    config = graphgear.CompilerConfig()
+    config.mode = "reduce-overhead"
+    gm = make()  # type: ignore[operator]
+    with pytest.warns(UserWarning, match=op):
+        fn = graphgear.get_compiler(config)(gm, [torch.zeros(3)])
+    x = torch.tensor([0.0, 1.0, 2.0])
+    out = fn(x)
+    if op == "aten.nonzero":
+        assert out[0].tolist() == [[1], [2]] if isinstance(out, tuple | list) else out.tolist() == [[1], [2]]
+    r = _rec()
+    assert [o for o, _ in r.fallbacks] == [op] and r.captures == 0 and r.uncaptured_runs == 1
+    assert r.fallbacks[0][1]  # the reason is named
+
+
+def test_uncapturable_raises_with_fallback_raise() -> None:
+    config = graphgear.CompilerConfig()
+    config.mode = "reduce-overhead"
+    config.capture_config.fallback = "raise"
+    with pytest.raises(graphgear.CaptureError, match="aten.nonzero.*data"):
+        graphgear.get_compiler(config)(_nonzero_graph(), [torch.zeros(3)])
+
+
+@torch.no_grad()
+def test_item_in_graph_falls_back() -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return x * x.sum().long().item()
+
+    f = torch.compile(fn, backend=_ro(), fullgraph=True)
+    with torch._dynamo.config.patch(capture_scalar_outputs=True), \
+            pytest.warns(UserWarning, match="_local_scalar_dense"):
+        out = f(torch.ones(3))
+    torch.testing.assert_close(out, torch.full((3,), 3.0))
+    assert any(op == "aten._local_scalar_dense" for op, _ in _rec().fallbacks)
+
+
+def test_cpu_work_in_a_device_graph_is_detected() -> None:
+    gm = make_fx(lambda x: (x * 2).sum(0))(torch.ones(4, 3))
+    found = find_uncapturable(gm, torch.device("cuda"))
+    assert found and all("CPU inside a CUDA graph" in why for _, why in found)
+    assert find_uncapturable(gm, torch.device("cpu")) == []
+    rand = _rand_graph()  # RNG is graph-safe on CUDA only
+    assert not [r for _, r in find_uncapturable(rand, torch.device("cuda")) if "random" in r]
+    assert find_uncapturable(rand, torch.device("cpu"))
+
+
+@torch.no_grad()
+def test_reset_releases_and_the_function_recaptures() -> None:
+    net = Net()
+    f = torch.compile(net, backend=_ro(warmup_iters=0))
+    x = torch.randn(2, 8)
+    out = f(x)
+    graphgear.reset()
+    with pytest.raises(RuntimeError, match="released"):
+        out + 0
+    torch.testing.assert_close(f(x), net(x))
+    assert _rec().captures == 1
+
+
+def test_training_gradients_equal_eager() -> None:
+    torch.manual_seed(0)
+    net, ref = Net(), Net()
+    ref.load_state_dict(net.state_dict())
+    f = torch.compile(net, backend=_ro(warmup_iters=1))
+    opt, ref_opt = torch.optim.SGD(net.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(4):
+        x = torch.randn(2, 8)
+        loss, ref_loss = f(x).square().mean(), ref(x).square().mean()
+        loss.backward()
+        ref_loss.backward()
+        for p, q in zip(net.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        torch.testing.assert_close(loss, ref_loss)
+    fw, bw = _rec("forward"), _rec("backward")
+    assert (fw.captures, fw.replays, bw.captures, bw.replays) == (1, 2, 1, 2)
+
+
+@torch.no_grad()
+def test_toy_decoder_greedy_decode_matches_eager() -> None:
+    from graphgear.toy_decoder import DecoderConfig, ToyDecoder
+
+    cfg = DecoderConfig(vocab_size=64, hidden_size=32, num_layers=1, intermediate_size=64, max_seq_len=16,
+                        max_batch_size=1)
+    torch.manual_seed(0)
+    model, ref = ToyDecoder(cfg).eval(), ToyDecoder(cfg).eval()
+    ref.load_state_dict(model.state_dict())
+    f = torch.compile(model, backend=_ro())
+    tok = ref_tok = torch.tensor([[1]])
+    got, want = [], []
+    for p in range(10):
+        tok = f(tok, torch.tensor([p]))[:, -1:].argmax(-1)
+        ref_tok = ref(ref_tok, torch.tensor([p]))[:, -1:].argmax(-1)
+        got.append(tok.item())
+        want.append(ref_tok.item())
+    assert got == want
+    r = _rec()
+    assert (r.uncaptured_runs, r.captures, r.replays) == (1, 1, 8)
