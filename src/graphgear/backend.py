@@ -63,7 +63,10 @@ def _wrap_compiler(compiler: Callable[..., Any], config: CompilerConfig):  # typ
 
 
 def _set_gear_to_compiler(
-    compiler: Callable[..., Any], config: CompilerConfig, input_dim_gears: Mapping[int, Mapping[int, list[int]]]
+    compiler: Callable[..., Any],
+    config: CompilerConfig,
+    input_dim_gears: Mapping[int, Mapping[int, list[int]]],
+    names: Sequence[str] = (),
 ) -> Callable[..., Any]:
     """Record each input's gears on the compiler's example inputs and check them."""
 
@@ -72,7 +75,7 @@ def _set_gear_to_compiler(
         for i, dim_gears in input_dim_gears.items():
             if i < len(example_inputs) and isinstance(example_inputs[i], torch.Tensor):
                 set_dim_gears(example_inputs[i], dict(dim_gears))
-        guard_gears_shape(example_inputs)
+        guard_gears_shape(example_inputs, names)
         return compiler(gm, example_inputs)
 
     return gear_compiler
@@ -193,8 +196,10 @@ class GraphgearBackend:
             compile_graph, config=config, input_names=inputs.names, boxed=True
         )
         fw_compiler, inference_compiler, joint_compiler = _wrap_compiler(compiler, config)
-        fw_compiler = _set_gear_to_compiler(fw_compiler, config, inputs.dim_gears)
-        inference_compiler = _set_gear_to_compiler(inference_compiler, config, inputs.dim_gears)
+        fw_compiler = _set_gear_to_compiler(fw_compiler, config, inputs.dim_gears, inputs.names)
+        inference_compiler = _set_gear_to_compiler(
+            inference_compiler, config, inputs.dim_gears, inputs.names
+        )
         decompositions = default_decompositions(config)
         decompositions.update(self.custom_decompositions)
         return _aot_module_simplified(

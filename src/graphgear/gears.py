@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -72,8 +73,9 @@ def set_dim_gears(t: torch.Tensor, dim_gears: dict[int, list[int] | tuple[int, .
             torch._dynamo.mark_dynamic(t, dim)
 
 
-def guard_gears_shape(example_inputs: Any) -> None:
-    """Check that every concrete size of a geared dim is one of its gears."""
+def guard_gears_shape(example_inputs: Any, names: Sequence[str] = ()) -> None:
+    """Check that every concrete size of a geared dim is one of its gears (a dim that
+    dynamo specialised to one size)."""
     from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
     for i, x in enumerate(example_inputs):
@@ -82,10 +84,19 @@ def guard_gears_shape(example_inputs: Any) -> None:
         for dim, gears in get_dim_gears(x).items():
             size = x.shape[dim]
             if is_concrete_int(size) and int(size) not in gears:
+                name = repr(names[i]) if i < len(names) else str(i)
                 raise GearError(
-                    f"graphgear: input {i} has size {int(size)} at dim {dim}, which is not "
-                    f"one of its gears {gears}."
+                    f"graphgear: input {name} has size {int(size)} at dim {dim}, which is not "
+                    f"one of its gears {gears}; pass a size in the gears (dynamo specialised "
+                    "this dim, so padding cannot apply)."
                 )
+
+
+def restore_global_settings() -> None:
+    """Undo the process-wide setting a gear of 1 turned on (called by ``reset()``)."""
+    if _oblivious_before:
+        torch.fx.experimental._config.backed_size_oblivious = _oblivious_before[0]
+        _oblivious_before.clear()
 
 
 # --------------------------------------------------------------------------- plan
@@ -93,19 +104,25 @@ def guard_gears_shape(example_inputs: Any) -> None:
 import itertools  # noqa: E402
 import logging  # noqa: E402
 import threading  # noqa: E402
-from collections.abc import Callable, Sequence  # noqa: E402
+from collections.abc import Callable  # noqa: E402
 
 from .shapes import ShapeInfo  # noqa: E402
 
 log = logging.getLogger(__name__)
 
 
+_oblivious_before: list[bool] = []
+
+
 def _set_oblivious_if_needed(sizes: list[int]) -> None:
-    """A gear of 1 must not be 0/1-specialised by dynamo (that would trace a second
-    graph): turn on size-oblivious reasoning for backed sizes, process-wide."""
-    if 1 in sizes:
+    """Size 1 must not be 0/1-specialised by dynamo, whether it is a gear or padded up
+    to one (that would trace a second graph): turn on size-oblivious reasoning for
+    backed sizes, process-wide, until ``graphgear.reset()`` restores the previous
+    setting."""
+    if sizes:
         cfg = torch.fx.experimental._config
         if hasattr(cfg, "backed_size_oblivious") and not cfg.backed_size_oblivious:
+            _oblivious_before.append(False)
             log.info(
                 "graphgear: a gear of 1 was set; enabling "
                 "torch.fx.experimental._config.backed_size_oblivious so size 1 shares the "

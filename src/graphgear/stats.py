@@ -129,4 +129,7 @@ def reset() -> None:
         if obj is not None:
             obj.release()
     torch._dynamo.reset()
+    from .gears import restore_global_settings
+
+    restore_global_settings()
     log.debug("graphgear.reset(): released %d artifacts", len(releasers))

@@ -1,0 +1,218 @@
+"""Gears: validation, merge policies, out-of-gear errors, padding, no recompiles,
+precompilation; on an MLP, the embedded decoder and a transformers Llama."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import graphgear
+from graphgear import GearError
+from tests.helpers import assert_close
+from tests.models import MLP, hf_llama, small_decoder
+
+MODES = ["eager", "max-autotune"]
+
+
+def backend(mode: str, **opts: object):
+    cfg = graphgear.CompilerConfig()
+    if mode == "eager":
+        cfg.debug.run_eagerly = True
+    else:
+        cfg.mode = mode
+    graphgear.config.apply_options(cfg, opts)
+    return graphgear.get_backend(compiler_config=cfg)
+
+
+def geared(x: torch.Tensor, gears: dict[int, list[int]]) -> torch.Tensor:
+    graphgear.set_dim_gears(x, gears)
+    return x
+
+
+# ----------------------------------------------------------------- set_dim_gears input
+
+
+@pytest.mark.parametrize("gears, rule", [
+    ({"0": [1, 2]}, "dim must be an int"),
+    ({2: [1, 2]}, "out of range"),
+    ({-3: [1, 2]}, "out of range"),
+    ({0: 4}, "list or tuple of positive ints"),
+    ({0: [1, 0]}, "list or tuple of positive ints"),
+    ({0: [1, 2.0]}, "list or tuple of positive ints"),
+    ({0: [True, 2]}, "list or tuple of positive ints"),
+    ({0: [4]}, "2 to 100 distinct sizes"),
+    ({0: [3, 3]}, "2 to 100 distinct sizes"),
+    ({0: list(range(1, 102))}, "2 to 100 distinct sizes"),
+    ({}, "non-empty dict"),
+])
+def test_set_dim_gears_rejects(gears, rule: str) -> None:
+    x = torch.randn(4, 8)
+    with pytest.raises(GearError, match=rule):
+        graphgear.set_dim_gears(x, gears)
+    assert isinstance(GearError("x"), ValueError)
+
+
+def test_set_dim_gears_again() -> None:
+    x = torch.randn(4, 8)
+    graphgear.inference.set_dim_gears(x, {0: [2, 4]})
+    graphgear.set_dim_gears(x, {0: (4, 2)})  # the same gears again: fine
+    graphgear.set_dim_gears(x, {1: [8, 16]})  # another dim: fine
+    assert graphgear.gears.get_dim_gears(x) == {0: [2, 4], 1: [8, 16]}
+    with pytest.raises(GearError, match=r"already has gears \[2, 4\]"):
+        graphgear.set_dim_gears(x, {0: [2, 8]})
+    with pytest.raises(GearError, match="expected a torch.Tensor"):
+        graphgear.set_dim_gears([1, 2], {0: [1, 2]})
+
+
+# --------------------------------------------------------------------------- MLP
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_one_graph_per_gear_no_recompiles(mode: str) -> None:
+    model = MLP().eval()
+    compiled = torch.compile(model, backend=backend(mode))
+    counters.clear()
+    with torch.no_grad():
+        for n in [4, 1, 2, 8, 2, 4, 1]:
+            x = geared(torch.randn(n, 16), {0: [1, 2, 4, 8]})
+            assert_close(compiled(x), model(x))
+    assert counters["stats"]["unique_graphs"] == 1
+    assert sum(counters["recompiles"].values()) == 0 if "recompiles" in counters else True
+    (g,) = graphgear.stats().graphs
+    assert g.gears == [(1,), (2,), (4,), (8,)]
+    assert g.compiles == (4 if mode == "max-autotune" else 1)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_size_outside_gears_raises_and_model_stays_usable(mode: str) -> None:
+    model = MLP().eval()
+    compiled = torch.compile(model, backend=backend(mode))
+    with torch.no_grad():
+        compiled(geared(torch.randn(2, 16), {0: [2, 4, 8]}))
+        for bad in (3, 16):
+            with pytest.raises(GearError) as e:
+                compiled(geared(torch.randn(bad, 16), {0: [2, 4, 8]}))
+            msg = str(e.value)
+            assert f"size {bad} at dim 0" in msg and "[2, 4, 8]" in msg and "input 'x'" in msg
+        x = geared(torch.randn(4, 16), {0: [2, 4, 8]})
+        assert_close(compiled(x), model(x))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_padding_to_next_gear(mode: str) -> None:
+    model = MLP().eval()
+    compiled = torch.compile(model, backend=backend(mode, gear_padding=True))
+    with torch.no_grad():
+        for n in [3, 5, 1, 7, 8]:
+            x = geared(torch.randn(n, 16), {0: [2, 4, 8]})
+            out = compiled(x)
+            assert out.shape == (n, 8)
+            assert_close(out, model(x))
+        with pytest.raises(GearError, match="above the largest gear"):
+            compiled(geared(torch.randn(9, 16), {0: [2, 4, 8]}))
+    (g,) = graphgear.stats().graphs
+    assert g.compiles == (3 if mode == "max-autotune" else 1)
+
+
+def _two_dim_fn(x: torch.Tensor) -> torch.Tensor:
+    return (x.softmax(-1) * 2).sum(-1, keepdim=True) + x.mean(0, keepdim=True)
+
+
+@pytest.mark.parametrize("policy, ok, bad", [
+    ("zip", [(2, 8), (4, 16)], [(2, 16), (4, 8)]),
+    ("product", [(2, 8), (4, 16), (2, 16), (4, 8)], [(3, 8)]),
+])
+def test_merge_policies(policy: str, ok, bad) -> None:
+    compiled = torch.compile(_two_dim_fn, backend=backend("eager", dynamic_gears_merge_policy=policy))
+    for b, s in ok:
+        x = geared(torch.randn(b, s), {0: [2, 4], 1: [8, 16]})
+        assert_close(compiled(x), _two_dim_fn(x))
+    for b, s in bad:
+        with pytest.raises(GearError):
+            compiled(geared(torch.randn(b, s), {0: [2, 4], 1: [8, 16]}))
+    (g,) = graphgear.stats().graphs
+    assert len(g.gears) == len(ok)
+
+
+def test_zip_of_unequal_lists_is_an_error() -> None:
+    compiled = torch.compile(_two_dim_fn, backend=backend("eager"))
+    x = geared(torch.randn(2, 8), {0: [2, 4], 1: [8, 16, 32]})
+    with pytest.raises(Exception) as e:
+        compiled(x)
+    err = graphgear.errors.graphgear_error(e.value)
+    assert isinstance(err, GearError) and "equal length" in str(err) and "'product'" in str(err)
+
+
+def test_more_than_100_combinations_is_an_error() -> None:
+    compiled = torch.compile(_two_dim_fn, backend=backend("eager", dynamic_gears_merge_policy="product"))
+    x = geared(torch.randn(2, 2), {0: list(range(1, 12)), 1: list(range(2, 13))})
+    with pytest.raises(Exception) as e:
+        compiled(x)
+    err = graphgear.errors.graphgear_error(e.value)
+    assert isinstance(err, GearError) and "121" in str(err) and "at most 100" in str(err)
+
+
+def test_precompile_builds_every_gear_before_the_first_real_call() -> None:
+    model = small_decoder().eval()
+    ref = small_decoder().eval()
+    ref.load_state_dict(model.state_dict())
+    compiled = torch.compile(model, backend=backend("max-autotune"))
+    tok = geared(torch.randint(0, 128, (2, 1)), {0: [1, 2, 4]})
+    pos = torch.tensor([0])
+    with torch.no_grad():
+        out = graphgear.inference.precompile_gears(compiled, tok, pos)
+        (g,) = graphgear.stats().graphs
+        assert g.compiles == 3  # every gear, at start-up
+        assert_close(out, ref(tok, pos))
+        for layer_c, layer_r in zip(model.layers, ref.layers):  # caches as after one real call
+            torch.testing.assert_close(layer_c.attn.k_cache, layer_r.attn.k_cache)
+        for b in (1, 4):
+            t = geared(torch.randint(0, 128, (b, 1)), {0: [1, 2, 4]})
+            assert_close(compiled(t, torch.tensor([1])), ref(t, torch.tensor([1])))
+    assert graphgear.stats().graphs[0].compiles == 3
+
+
+# ------------------------------------------------------------ transformers Llama
+
+
+def _llama_call(b: int, s: int, gears: dict[int, list[int]]) -> dict[str, torch.Tensor]:
+    """Llama inputs as a server passes them: ids and position ids share the geared dims
+    (without position ids, transformers compares the batch with 1 and dynamo guards on it)."""
+    ids = geared(torch.randint(0, 128, (b, s)), gears)
+    pos = geared(torch.arange(s).repeat(b, 1), gears)
+    return {"input_ids": ids, "position_ids": pos, "use_cache": False}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+def test_hf_llama_batch_gears_with_padding(mode: str) -> None:
+    model = hf_llama()
+    compiled = torch.compile(model, backend=backend(mode, gear_padding=True), fullgraph=True)
+    counters.clear()
+    with torch.no_grad():
+        for b in [1, 2, 3, 4, 1]:
+            kw = _llama_call(b, 8, {0: [1, 2, 4]})
+            assert_close(compiled(**kw).logits, model(**kw).logits, atol=1e-4)
+    assert counters["stats"]["unique_graphs"] == 1
+    (g,) = graphgear.stats().graphs
+    assert g.gears == [(1,), (2,), (4,)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy, sizes", [
+    ("zip", [(1, 4), (2, 8), (4, 16)]),
+    ("product", [(1, 4), (1, 16), (4, 8), (2, 4)]),
+])
+def test_hf_llama_batch_and_sequence_gears(policy: str, sizes) -> None:
+    model = hf_llama()
+    compiled = torch.compile(model, backend=backend("eager", dynamic_gears_merge_policy=policy),
+                             fullgraph=True)
+    counters.clear()
+    with torch.no_grad():
+        for b, s in sizes:
+            kw = _llama_call(b, s, {0: [1, 2, 4], 1: [4, 8, 16]})
+            assert_close(compiled(**kw).logits, model(**kw).logits, atol=1e-4)
+    assert counters["stats"]["unique_graphs"] == 1
+    (g,) = graphgear.stats().graphs
+    assert len(g.gears) == (3 if policy == "zip" else 9)
