@@ -13,6 +13,7 @@ from .backend import get_backend, get_compiler
 from .config import CompilerConfig
 from .errors import CaptureError, GearError
 from .gears import set_dim_gears
+from .passes.patterns import register_replacement
 from .stats import reset, stats
 
 __version__ = "0.1.0"
@@ -24,6 +25,7 @@ __all__ = [
     "get_backend",
     "get_compiler",
     "inference",
+    "register_replacement",
     "reset",
     "set_dim_gears",
     "stats",

@@ -10,7 +10,9 @@ op, only where the fused op computes what the pattern computes:
 * ``rotary_fusion``: ``x * cos + rotate_half(x) * sin`` with
   ``rotate_half(x) = cat(-x[..., h:], x[..., :h])`` → ``graphgear::rotary_rotate_half``.
 * ``attention_fusion``: ``softmax(q @ k^T * scale [+ mask]) @ v`` (or ``/ inv_scale``),
-  float mask added, softmax over the last dim → ``aten.scaled_dot_product_attention``.
+  float mask added, softmax over the last dim → ``aten.scaled_dot_product_attention``;
+  not for Inductor (max-autotune) on the CPU, where Inductor's own attention code was
+  measured faster than the CPU SDPA kernel on the decoder step.
 
 In a joint graph the patterns are traced forward and backward together, so a match
 replaces the op and its gradient; a forward-only match whose intermediates the
@@ -215,9 +217,17 @@ _SOFTMAX_REDUCTIONS = (aten._softmax.default, aten.amax.default, aten.sum.dim_In
                        aten._softmax_backward_data.default)
 
 
+# the decomposition kind of the graph being searched (set by _FusionPass)
+_KIND = {"kind": "aten"}
+
+
 def _attn_check(match: Any) -> bool:
     q, k, v = (_val(match.kwargs.get(n)) for n in ("q", "k", "v"))
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        return False
+    if _KIND["kind"] == "inductor" and q.device.type == "cpu":
+        # Inductor's generated attention beats the CPU SDPA kernel on the decoder step
+        # (benchmarks/bench_max_autotune.py): no fused kernel worth calling there
         return False
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         return False
@@ -305,7 +315,8 @@ class _FusionPass(GraphPass):
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], config: Any) -> int:
         group = self.group + ("_training" if _is_joint(gm) else "")
-        n = builtin_patterns().apply(gm, decomp_kind(config), [group])[group]
+        _KIND["kind"] = decomp_kind(config)
+        n = builtin_patterns().apply(gm, _KIND["kind"], [group])[group]
         if n:
             from torch._inductor.pattern_matcher import stable_topological_sort
 
@@ -327,8 +338,18 @@ class RotaryFusion(_FusionPass):
 
 
 class AttentionFusion(_FusionPass):
+    """Inference graphs without decompositions: the layout-agnostic matcher of
+    :mod:`graphgear.passes.attention`; other graphs: the traced patterns."""
+
     name = "attention_fusion"
     group = "attention"
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], config: Any) -> int:
+        if decomp_kind(config) == "aten" and not _is_joint(gm):
+            from .attention import fuse_attention
+
+            return fuse_attention(gm)
+        return super().__call__(gm, example_inputs, config)
 
 
 class NormalizeNoops(GraphPass):

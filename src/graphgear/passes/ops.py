@@ -7,9 +7,11 @@
   a fake implementation and an autograd formula.
 * Attention → ``aten.scaled_dot_product_attention``.
 
-Inductor has no lowering for the graphgear op and only an extern fallback for
-``_fused_rms_norm``, so :func:`inline_decompositions` rewrites both back into the aten
-ops Inductor fuses, in place, just before ``max-autotune`` hands a graph to Inductor.
+Inductor gets a lowering for the graphgear op (built from its pointwise lowerings, so
+it fuses into generated code wherever Inductor compiles: max-autotune and the CPU
+graph). ``_fused_rms_norm`` has only an extern fallback in Inductor, so
+:func:`inline_decompositions` rewrites it back into aten ops just before
+``max-autotune`` hands a graph to Inductor.
 """
 
 from __future__ import annotations
@@ -109,7 +111,6 @@ def inductor_fused_op_decompositions() -> dict[Any, Callable[..., Any]]:
     from torch._decomp.decompositions import _fused_rms_norm_backward
 
     return {
-        torch.ops.graphgear.rotary_rotate_half.default: _rotary_reference,
         aten._fused_rms_norm.default: _fused_rms_norm_decomp,
         aten._fused_rms_norm_backward.default: _fused_rms_norm_backward,
     }
@@ -188,3 +189,31 @@ def _replace_outputs(graph: fx.Graph, node: fx.Node, out: Any) -> None:
     else:
         node.replace_all_uses_with(out)
     graph.erase_node(node)
+
+
+def _register_inductor_lowering() -> None:
+    """Give Inductor a lowering for ``graphgear::rotary_rotate_half`` built from its own
+    pointwise lowerings, so any Inductor compile (max-autotune, the CPU graph) fuses it
+    into generated code instead of calling back into Python."""
+    try:
+        from torch._inductor.lowering import lowerings, register_lowering
+    except Exception as e:  # pragma: no cover - Inductor missing or changed
+        log.debug("graphgear: no Inductor lowering for rotary_rotate_half: %s", e)
+        return
+    target = torch.ops.graphgear.rotary_rotate_half.default
+    if target in lowerings:
+        return
+
+    @register_lowering(target, type_promotion_kind=None)
+    def _lower_rotary(x: Any, cos: Any, sin: Any) -> Any:
+        d = x.get_size()[-1]
+        h = d // 2
+        rank = len(x.get_size())
+        x1 = lowerings[aten.slice.Tensor](x, rank - 1, 0, h)
+        x2 = lowerings[aten.slice.Tensor](x, rank - 1, h, d)
+        rot = lowerings[aten.cat.default]([lowerings[aten.neg.default](x2), x1], rank - 1)
+        return lowerings[aten.add.Tensor](
+            lowerings[aten.mul.Tensor](x, cos), lowerings[aten.mul.Tensor](rot, sin))
+
+
+_register_inductor_lowering()
