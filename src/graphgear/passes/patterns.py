@@ -127,6 +127,7 @@ def _trace_group(group: str, replacements: list[Replacement], kind: str) -> Any:
     from torch._inductor.pattern_matcher import (
         register_replacement as inductor_register,
     )
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     if not replacements:
         return None
@@ -140,7 +141,8 @@ def _trace_group(group: str, replacements: list[Replacement], kind: str) -> Any:
         if r.scalar_workaround:
             kwargs["scalar_workaround"] = dict(r.scalar_workaround)
         try:
-            with torch._guards.tracing(None), torch.no_grad() if not r.training else _null():
+            # traced with real example tensors, outside any fake mode the compile runs in
+            with unset_fake_temporarily(), torch._guards.tracing(None):
                 inductor_register(
                     r.search_fn,
                     r.replace_fn,
@@ -155,14 +157,6 @@ def _trace_group(group: str, replacements: list[Replacement], kind: str) -> Any:
             log.warning("graphgear: pattern %s (%s graphs) could not be traced and is skipped: %s",
                         r.name, kind, e)
     return matcher
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
 
 
 # user patterns: run by the post-grad pattern_fusion pass

@@ -1,0 +1,438 @@
+"""FX passes: the pass manager, the built-in post-grad passes, user passes and
+replacements, and the joint-graph fusions (RMSNorm, rotary, attention) on the embedded
+decoder and on transformers Llama and GPT-2.
+
+Graphs run with ``debug.run_eagerly`` (no Inductor compile) so the tests stay fast;
+``tests/test_max_autotune.py`` runs the same passes through Inductor.
+"""
+
+from __future__ import annotations
+
+import copy
+import glob
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import graphgear
+from graphgear.passes import pass_names
+from graphgear.passes import patterns as pattern_mod
+from graphgear.passes.joint import JOINT_LOG
+from graphgear.toy_decoder import DecoderConfig, ToyDecoder
+
+aten = torch.ops.aten
+
+
+def eager_config(**experimental: object) -> graphgear.CompilerConfig:
+    cfg = graphgear.CompilerConfig()
+    cfg.mode = "reduce-overhead"
+    cfg.debug.run_eagerly = True
+    for k, v in experimental.items():
+        setattr(cfg.experimental_config, k, v)
+    return cfg
+
+
+def last_record() -> graphgear.stats.GraphRecord:  # type: ignore[name-defined]
+    return graphgear.stats().graphs[-1]
+
+
+@pytest.fixture(autouse=True)
+def _clean_log():
+    JOINT_LOG.clear()
+    torch._dynamo.reset()
+    yield
+    JOINT_LOG.clear()
+    pattern_mod.clear_replacements()
+
+
+def run_decoder(cfg: graphgear.CompilerConfig, *, train: bool = False, layers: int = 2):
+    torch.manual_seed(0)
+    model = ToyDecoder(DecoderConfig(num_layers=layers))
+    ref_model = copy.deepcopy(model)
+    compiled = torch.compile(model, backend=graphgear.get_backend(cfg))
+    tok, pos = torch.tensor([[3]]), torch.tensor([5])
+    if train:
+        out = compiled(tok, pos)
+        ref = ref_model(tok, pos)
+        out.square().sum().backward()
+        ref.square().sum().backward()
+        for (name, p), (_, q) in zip(model.named_parameters(), ref_model.named_parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+    else:
+        with torch.no_grad():
+            out = compiled(tok, pos)
+            ref = ref_model(tok, pos)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    for a, b in zip(model.layers, ref_model.layers):
+        torch.testing.assert_close(a.attn.k_cache, b.attn.k_cache)
+        torch.testing.assert_close(a.attn.v_cache, b.attn.v_cache)
+    return model
+
+
+# ---------------------------------------------------------------- pass manager
+
+
+def test_pass_manager_order_timing_dump_and_switches(tmp_path):
+    calls: list[str] = []
+
+    def pre(gm, example_inputs, config):
+        calls.append("pre")
+
+    def post(gm, example_inputs, config):
+        calls.append("post")
+
+    cfg = eager_config(post_grad_custom_pre_pass=pre, post_grad_custom_post_pass=post)
+    cfg.debug.graph_dump.type = "txt"
+    cfg.debug.graph_dump.path = str(tmp_path)
+
+    def f(x):
+        return (x.view(4, 4) + 0).relu() * 1
+
+    out = torch.compile(f, backend=graphgear.get_backend(cfg))(torch.randn(4, 4))
+    assert out.shape == (4, 4)
+    assert calls == ["pre", "post"]
+    rec = last_record()
+    assert rec.passes["remove_noop_ops"] >= 2, rec.passes  # view to the same shape, + 0, * 1
+    assert "post_grad_custom_pre_pass" in rec.passes
+    dumps = os.listdir(tmp_path)
+    assert any(d.endswith("after_remove_noop_ops.txt") for d in dumps), dumps
+
+    # switched off by its option, and by name
+    torch._dynamo.reset()
+    cfg2 = eager_config(remove_noop_ops=False)
+    torch.compile(f, backend=graphgear.get_backend(cfg2))(torch.randn(4, 4))
+    assert "remove_noop_ops" not in last_record().passes
+    torch._dynamo.reset()
+    cfg3 = eager_config(disabled_passes=("remove_noop_ops",))
+    torch.compile(f, backend=graphgear.get_backend(cfg3))(torch.randn(4, 4))
+    assert "remove_noop_ops" not in last_record().passes
+
+
+def test_disabled_passes_unknown_name_is_an_error():
+    cfg = eager_config(disabled_passes=("no_such_pass",))
+    with pytest.raises(Exception) as info:
+        torch.compile(lambda x: x + 1, backend=graphgear.get_backend(cfg))(torch.randn(3))
+    text = str(info.value)
+    assert "ValueError" in text or isinstance(info.value, ValueError)
+    assert "no_such_pass" in text and "remove_noop_ops" in text
+    with pytest.raises(ValueError, match="disabled_passes"):
+        graphgear.CompilerConfig().experimental_config.disabled_passes = "remove_noop_ops"
+
+
+def test_pass_names_lists_every_builtin_pass():
+    names = pass_names()
+    for n in ("rms_norm_fusion", "rotary_fusion", "attention_fusion", "remove_noop_ops",
+              "pattern_fusion", "reinplace_inputs", "view_to_reshape"):
+        assert n in names
+
+
+# ---------------------------------------------------------------- register_replacement
+
+
+def _search(x: torch.Tensor) -> torch.Tensor:
+    return torch.relu(x) - torch.relu(-x)
+
+
+def _replace(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+def test_register_replacement_fires_and_keeps_numerics():
+    graphgear.register_replacement(_search, _replace, [torch.randn(8)])
+    seen: list[set] = []
+
+    def spy(gm, example_inputs, config):
+        seen.append({n.target for n in gm.graph.nodes if n.op == "call_function"})
+
+    cfg = eager_config(post_grad_custom_post_pass=spy)
+
+    def f(x, y):
+        return (torch.relu(x) - torch.relu(-x)) * y
+
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    out = torch.compile(f, backend=graphgear.get_backend(cfg))(x, y)
+    torch.testing.assert_close(out, f(x, y))
+    assert last_record().passes["pattern_fusion"] == 1
+    assert aten.relu.default not in seen[-1]
+
+
+def test_register_replacement_does_not_fire_on_other_pattern_or_when_off():
+    graphgear.register_replacement(_search, _replace, [torch.randn(8)])
+
+    def g(x, y):  # relu(x) - relu(-y): not the pattern
+        return torch.relu(x) - torch.relu(-y)
+
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    out = torch.compile(g, backend=graphgear.get_backend(eager_config()))(x, y)
+    torch.testing.assert_close(out, g(x, y))
+    assert last_record().passes.get("pattern_fusion", 0) == 0
+
+    torch._dynamo.reset()
+
+    def f(x):
+        return torch.relu(x) - torch.relu(-x)
+
+    torch.compile(f, backend=graphgear.get_backend(eager_config(pattern_fusion_pass=False)))(x)
+    assert "pattern_fusion" not in last_record().passes
+
+
+def test_register_replacement_rejects_bad_input():
+    with pytest.raises(TypeError, match="callables"):
+        graphgear.register_replacement(_search, None, [torch.randn(3)])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="takes 1 arguments but 2"):
+        graphgear.register_replacement(_search, _replace, [torch.randn(3), torch.randn(3)])
+
+
+# ---------------------------------------------------------------- in-place recovery
+
+
+class Cache(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(4, 6, 3))
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        c = self.cache[: x.shape[0]]
+        c.index_copy_(1, pos, x)
+        return c.sum(1)
+
+
+def test_reinplace_writes_cache_in_place():
+    final: list[list] = []
+
+    def spy(gm, example_inputs, config):
+        final.append([n.target for n in gm.graph.nodes if n.op == "call_function"])
+
+    m = Cache()
+    ref = Cache()
+    f = torch.compile(m, backend=graphgear.get_backend(eager_config(post_grad_custom_post_pass=spy)))
+    x, pos = torch.randn(2, 1, 3), torch.tensor([4])
+    with torch.no_grad():
+        out = f(x, pos)
+        expected = ref(x, pos)
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(m.cache, ref.cache)
+    assert last_record().passes["reinplace_inputs"] == 1
+    targets = final[-1]
+    assert aten.index_copy_.default in targets
+    assert aten.copy_.default not in targets and aten.slice_scatter.default not in targets
+
+
+class SelectWrite(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(4, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.cache[1] = x  # select_scatter: no in-place op to recover
+        return self.cache * 2
+
+
+def test_reinplace_leaves_other_writes_alone():
+    m, ref = SelectWrite(), SelectWrite()
+    f = torch.compile(m, backend=graphgear.get_backend(eager_config()))
+    x = torch.randn(3)
+    with torch.no_grad():
+        torch.testing.assert_close(f(x), ref(x))
+    torch.testing.assert_close(m.cache, ref.cache)
+    assert last_record().passes.get("reinplace_inputs", 0) == 0
+
+
+def test_reinplace_switch():
+    m = Cache()
+    f = torch.compile(m, backend=graphgear.get_backend(eager_config(disabled_passes=["reinplace_inputs"])))
+    with torch.no_grad():
+        f(torch.randn(2, 1, 3), torch.tensor([4]))
+    assert "reinplace_inputs" not in last_record().passes
+
+
+# ---------------------------------------------------------------- joint fusions, embedded decoder
+
+
+def test_fusions_fire_on_decoder_inference_and_match_eager():
+    run_decoder(eager_config(fx_passes=True))
+    (entry,) = JOINT_LOG
+    assert not entry["training"]
+    # 2 layers: 2 norms each + the final norm; rotary on q and k; one attention per layer
+    assert entry["matches"]["rms_norm_fusion"] == 5
+    assert entry["matches"]["rotary_fusion"] == 4
+    assert entry["matches"]["attention_fusion"] == 2
+    assert entry["nodes_after"] < entry["nodes_before"] - 40, entry
+    rec = last_record()
+    # the fused SDPA output is reshaped, not viewed, and the KV cache is written in place
+    assert rec.passes["view_to_reshape"] >= 1
+    assert rec.passes["reinplace_inputs"] == 4  # 2 layers x (k, v)
+
+
+def test_fusions_off_by_default():
+    run_decoder(eager_config())
+    assert JOINT_LOG == []
+
+
+def test_each_fusion_switchable_by_name():
+    run_decoder(eager_config(fx_passes=True, disabled_passes=("attention_fusion", "rotary_fusion")))
+    (entry,) = JOINT_LOG
+    assert entry["matches"]["rms_norm_fusion"] == 5
+    assert "attention_fusion" not in entry["matches"] and "rotary_fusion" not in entry["matches"]
+
+
+def test_fusions_in_training_keep_gradients():
+    run_decoder(eager_config(fx_passes=True), train=True)
+    (entry,) = JOINT_LOG
+    assert entry["training"]
+    assert entry["matches"]["rotary_fusion"] == 4
+
+
+def test_joint_passes_dump_after_each_fusion(tmp_path):
+    cfg = eager_config(fx_passes=True)
+    cfg.debug.graph_dump.type = "py"
+    cfg.debug.graph_dump.path = str(tmp_path)
+    run_decoder(cfg, layers=1)
+    names = os.listdir(tmp_path)
+    for p in ("rms_norm_fusion", "rotary_fusion", "attention_fusion"):
+        assert any(n.endswith(f"joint_after_{p}.py") for n in names), names
+    text = open(glob.glob(str(tmp_path / "*joint_after_attention_fusion.py"))[0]).read()
+    assert "scaled_dot_product_attention" in text
+
+
+# ---------------------------------------------------------------- negatives
+
+
+class Block(nn.Module):
+    """Variants of the three patterns that must NOT be rewritten."""
+
+    def __init__(self, variant: str) -> None:
+        super().__init__()
+        self.variant = variant
+        self.w = nn.Parameter(torch.randn(16))
+
+    def forward(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.variant == "pow3":  # not a mean of squares
+            n = self.w * (x * torch.rsqrt(x.pow(3).mean(-1, keepdim=True) + 1e-6))
+        else:  # mean over the wrong dim
+            n = self.w * (x * torch.rsqrt(x.pow(2).mean(0, keepdim=True) + 1e-6))
+        h = q.shape[-1] // 2
+        rot = q * cos + torch.cat((q[..., h:], -q[..., :h]), dim=-1) * sin  # rotate the other way
+        s = torch.matmul(q, k.transpose(2, 3)) * 0.25
+        attn = torch.matmul(torch.softmax(s, dim=-2), v)  # softmax over the wrong dim
+        return n, rot, attn
+
+
+@pytest.mark.parametrize("variant", ["pow3", "dim0"])
+def test_fusions_do_not_fire_where_the_pattern_differs(variant):
+    m = Block(variant)
+    args = (torch.randn(3, 16), torch.randn(1, 2, 4, 16), torch.randn(1, 2, 4, 16),
+            torch.randn(1, 2, 4, 16), torch.randn(1, 1, 4, 16), torch.randn(1, 1, 4, 16))
+    f = torch.compile(m, backend=graphgear.get_backend(eager_config(fx_passes=True)))
+    with torch.no_grad():
+        out, ref = f(*args), m(*args)
+    for a, b in zip(out, ref):
+        torch.testing.assert_close(a, b)
+    (entry,) = JOINT_LOG
+    assert entry["matches"]["rms_norm_fusion"] == 0
+    assert entry["matches"]["rotary_fusion"] == 0
+    assert entry["matches"]["attention_fusion"] == 0
+
+
+def test_attention_with_bool_mask_is_not_rewritten():
+    def f(q, k, v, mask):
+        s = torch.matmul(q, k.transpose(-2, -1)) * 0.25
+        s = s.masked_fill(~mask, float("-inf"))
+        return torch.matmul(torch.softmax(s, dim=-1), v)
+
+    q, k, v = (torch.randn(1, 2, 4, 8) for _ in range(3))
+    mask = torch.ones(4, 4, dtype=torch.bool).tril()
+    out = torch.compile(f, backend=graphgear.get_backend(eager_config(fx_passes=True)))(q, k, v, mask)
+    torch.testing.assert_close(out, f(q, k, v, mask))
+    assert JOINT_LOG[-1]["matches"]["attention_fusion"] == 0
+
+
+# ---------------------------------------------------------------- fused ops
+
+
+def test_rotary_op_matches_formula_and_gradients():
+    from graphgear.passes.ops import rotary_rotate_half
+
+    x = torch.randn(2, 4, 5, 8, dtype=torch.float64, requires_grad=True)
+    cos = torch.randn(1, 1, 5, 8, dtype=torch.float64, requires_grad=True)
+    sin = torch.randn(1, 1, 5, 8, dtype=torch.float64, requires_grad=True)
+    ref = x * cos + torch.cat((-x[..., 4:], x[..., :4]), -1) * sin
+    torch.testing.assert_close(rotary_rotate_half(x, cos, sin), ref)
+    torch.autograd.gradcheck(rotary_rotate_half, (x, cos, sin))
+    torch.library.opcheck(torch.ops.graphgear.rotary_rotate_half.default,
+                          (x.detach(), cos.detach(), sin.detach()))
+    with pytest.raises(ValueError, match="even"):
+        rotary_rotate_half(torch.randn(2, 5), torch.randn(2, 5), torch.randn(2, 5))
+
+
+# ---------------------------------------------------------------- transformers models
+
+
+def _llama(attn: str = "eager"):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                      attn_implementation=attn)
+    return LlamaForCausalLM(cfg)
+
+
+def _gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128, attn_implementation="eager",
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(cfg)
+
+
+def _run_hf(model: nn.Module, cfg: graphgear.CompilerConfig, train: bool) -> None:
+    ref = copy.deepcopy(model)
+    model.train(train)
+    ref.train(train)
+    f = torch.compile(model, backend=graphgear.get_backend(cfg))
+    ids = torch.randint(0, 128, (2, 8))
+    if train:
+        out, expected = f(ids).logits, ref(ids).logits
+        out.square().mean().backward()
+        expected.square().mean().backward()
+        for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+    else:
+        with torch.no_grad():
+            out, expected = f(ids).logits, ref(ids).logits
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_llama_inference_fusions():
+    _run_hf(_llama(), eager_config(fx_passes=True), train=False)
+    (entry,) = JOINT_LOG
+    assert entry["matches"]["rms_norm_fusion"] == 5
+    assert entry["matches"]["rotary_fusion"] == 4
+    assert entry["matches"]["attention_fusion"] == 2
+    assert entry["nodes_after"] < entry["nodes_before"]
+    print(f"llama inference: {entry['matches']} nodes {entry['nodes_before']} -> {entry['nodes_after']}")
+
+
+@pytest.mark.slow
+def test_gpt2_inference_fusions():
+    _run_hf(_gpt2(), eager_config(fx_passes=True), train=False)
+    (entry,) = JOINT_LOG
+    # no RMSNorm (LayerNorm) and no rotary in GPT-2: nothing to rewrite there
+    assert entry["matches"]["rms_norm_fusion"] == 0
+    assert entry["matches"]["rotary_fusion"] == 0
+    assert entry["matches"]["attention_fusion"] == 2
+    print(f"gpt2 inference: {entry['matches']} nodes {entry['nodes_before']} -> {entry['nodes_after']}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["llama", "gpt2"])
+def test_hf_training_with_fusions_keeps_gradients(which):
+    model = _llama() if which == "llama" else _gpt2()
+    _run_hf(model, eager_config(fx_passes=True), train=True)
+    (entry,) = JOINT_LOG
+    assert entry["training"]
+    print(f"{which} training: {entry['matches']} nodes {entry['nodes_before']} -> {entry['nodes_after']}")
