@@ -403,3 +403,49 @@ def test_toy_decoder_greedy_decode_matches_eager() -> None:
     assert got == want
     r = _rec()
     assert (r.uncaptured_runs, r.captures, r.replays) == (1, 1, 8)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("fallback", ["eager", "raise"])
+def test_capture_failure_follows_fallback(fallback: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from graphgear.capture import cpu_graph
+
+    def broken(self: object, args: object) -> None:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(cpu_graph.CPUGraph, "capture", broken)
+    net = Net()
+    f = torch.compile(net, backend=_ro(warmup_iters=0, fallback=fallback))
+    x = torch.randn(2, 8)
+    if fallback == "raise":
+        with pytest.raises(graphgear.CaptureError, match="not permitted.*fallback='eager'"):
+            f(x)
+    else:
+        with pytest.warns(UserWarning, match="runs uncaptured"):
+            torch.testing.assert_close(f(x), net(x))
+        torch.testing.assert_close(f(x), net(x))
+        r = _rec()
+        assert (r.captures, r.uncaptured_runs) == (0, 2)
+        assert r.fallbacks and r.fallbacks[0][0] == "capture" and "not permitted" in r.fallbacks[0][1]
+
+
+@torch.no_grad()
+def test_expanded_input_is_copied_densely() -> None:
+    net = Net()
+    f = torch.compile(net, backend=_ro(warmup_iters=0))
+    for _ in range(3):
+        x = torch.randn(1, 8).expand(4, 8)  # stride 0: cannot be the layout of a buffer
+        torch.testing.assert_close(f(x), net(x))
+    assert (_rec().captures, _rec().replays) == (1, 2)
+
+
+def test_data_dependent_control_flow_is_not_captured() -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return torch.cond(x.sum() > 0, lambda t: t + 1, lambda t: t - 1, (x,))
+
+    f = torch.compile(fn, backend=_ro(warmup_iters=0), fullgraph=True)
+    with pytest.warns(UserWarning, match="cond"):
+        out = f(torch.ones(3))
+    torch.testing.assert_close(out, torch.full((3,), 2.0))
+    torch.testing.assert_close(f(-torch.ones(3)), torch.full((3,), -2.0))
+    assert any(op == "cond" for op, _ in _rec().fallbacks)

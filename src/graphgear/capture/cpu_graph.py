@@ -195,18 +195,29 @@ class CPUGraph:
         if g is None:
             outs = list(run(list(self.args)))
         else:
-            nxt = iter(self.record).__next__
+            it = iter(self.record)
+            nxt = it.__next__
             name = self._alloc_name
             original = g[name]
             g[name] = lambda size, stride, dtype: nxt()
             try:
                 outs = list(run(list(self.args)))
+            except StopIteration as e:
+                raise RuntimeError(self._diverged()) from e
             finally:
                 g[name] = original
+            if next(it, None) is not None:
+                raise RuntimeError(self._diverged())
         for i, static in self._out_copy:
             static.copy_(outs[i])
             outs[i] = static
         return outs
+
+    def _diverged(self) -> str:
+        return (f"graphgear: the CPU graph of {self.name} allocated differently on replay than at "
+                f"capture ({len(self.record)} buffers recorded); its outputs are not trustworthy. "
+                f"This is a graphgear bug; report it, and set capture_config.fallback='eager' "
+                f"with debug.run_eagerly=True to work around it.")
 
     def release(self) -> None:
         self.args = []

@@ -99,6 +99,9 @@ def graph_device(example_inputs: Sequence[Any]) -> torch.device:
     return torch.device("cpu")
 
 
+_CONTROL_FLOW = {"cond", "while_loop", "higher_order.cond", "higher_order.while_loop"}
+
+
 def find_uncapturable(gm: fx.GraphModule, device: torch.device) -> list[tuple[str, str]]:
     """``(op, reason)`` for every op of ``gm`` a ``device`` graph cannot hold."""
     from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
@@ -109,6 +112,8 @@ def find_uncapturable(gm: fx.GraphModule, device: torch.device) -> list[tuple[st
             continue
         key = debug.op_key(n.target)
         reason = debug.UNCAPTURABLE.get(key)
+        if reason is None and key in _CONTROL_FLOW:
+            reason = "control flow that depends on the data: a graph replays one fixed path"
         if reason is not None:
             # CUDA graphs replay RNG safely: the generator's offset advances per replay.
             if not (device.type == "cuda" and reason.startswith("random numbers")):
@@ -277,11 +282,18 @@ class CaptureEngine:
         nbytes = 0
         for i in self.copy_idx:
             a = args[i]
-            buf = torch.empty_strided(a.size(), a.stride(), dtype=a.dtype, device=a.device)
+            if torch._debug_has_internal_overlap(a) == 0:  # no overlap: keep its layout
+                buf = torch.empty_strided(a.size(), a.stride(), dtype=a.dtype, device=a.device)
+            else:  # expanded or overlapping: a dense buffer of the same shape
+                buf = torch.empty(a.size(), dtype=a.dtype, device=a.device)
             buf.copy_(a)
             bound[i] = buf
             nbytes += _nbytes(a.size(), a.stride(), a.dtype)
         self.pool.invalidate(self._stale_msg())
+        if not self.clone_output:
+            from . import liveness
+
+            liveness.warm()  # build or load it now, not during a replay
         try:
             graph = self._device_graph()
             outs = graph.capture(bound)
