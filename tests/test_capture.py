@@ -449,3 +449,22 @@ def test_data_dependent_control_flow_is_not_captured() -> None:
     torch.testing.assert_close(out, torch.full((3,), 2.0))
     torch.testing.assert_close(f(-torch.ones(3)), torch.full((3,), -2.0))
     assert any(op == "cond" for op, _ in _rec().fallbacks)
+
+
+@torch.no_grad()
+def test_one_capture_per_gear_with_padding() -> None:
+    net = Net()
+    config = graphgear.CompilerConfig()
+    config.mode = "reduce-overhead"
+    config.capture_config.warmup_iters = 0
+    config.inference_config.gear_padding = True
+    f = torch.compile(net, backend=graphgear.get_backend(config))
+    sizes = [2, 3, 4, 5, 2, 4, 8, 7]  # gears 2, 4, 8: 3 pads to 4, 5 and 7 to 8
+    for n in sizes:
+        x = torch.randn(n, 8)
+        graphgear.set_dim_gears(x, {0: [2, 4, 8]})
+        out = f(x)
+        assert out.shape == (n, 8)
+        torch.testing.assert_close(out, net(x))
+    r = _rec()
+    assert r.captures == 3 and r.replays == len(sizes) - 3 and r.uncaptured_runs == 0
