@@ -468,3 +468,115 @@ def test_one_capture_per_gear_with_padding() -> None:
         torch.testing.assert_close(out, net(x))
     r = _rec()
     assert r.captures == 3 and r.replays == len(sizes) - 3 and r.uncaptured_runs == 0
+
+
+class _FakeStream:
+    def __init__(self, device: object = None) -> None:
+        pass
+
+    def wait_stream(self, other: object) -> None:
+        pass
+
+
+class _FakeCudaModule:
+    """Just enough of ``torch.cuda`` for the CUDA graph's life cycle on the CPU."""
+
+    Stream = _FakeStream
+
+    @staticmethod
+    def stream(s: object) -> object:
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def current_stream(device: object = None) -> _FakeStream:
+        return _FakeStream()
+
+    @staticmethod
+    def synchronize(device: object = None) -> None:
+        pass
+
+    @staticmethod
+    def memory_allocated(device: object = None) -> int:
+        return 0
+
+
+class _FakeGraph:
+    def __init__(self) -> None:
+        self.fn: object = None
+        self.replays = 0
+
+    def replay(self) -> None:
+        self.replays += 1
+        self.fn()  # type: ignore[operator]
+
+    def reset(self) -> None:
+        self.fn = None
+
+
+def _fake_cuda_graph_class() -> type:
+    """``CUDAGraph`` whose capture has no side effects (inputs it mutates are restored, as
+    a real capture does not run kernels) and whose replay re-runs the recorded callable
+    into the captured outputs: the CUDA graph class's own logic, exercised on the CPU."""
+    import contextlib
+
+    from graphgear.capture.cuda_graph import CUDAGraph
+
+    class FakeCUDAGraph(CUDAGraph):
+        def _mod(self) -> object:
+            return _FakeCudaModule
+
+        def _new_graph(self) -> _FakeGraph:
+            return _FakeGraph()
+
+        def _graph_ctx(self, graph: _FakeGraph, pool: object, stream: object) -> object:
+            @contextlib.contextmanager
+            def ctx():  # type: ignore[no-untyped-def]
+                saved = {i: self.args[i].clone() for i in self.mutated_idx}
+                yield
+                for i, t in saved.items():
+                    self.args[i].copy_(t)
+
+                def replay() -> None:
+                    new = self._run(list(self.args))  # type: ignore[misc]
+                    for o, n in zip(self.outputs, new):
+                        o.copy_(n)
+
+                graph.fn = replay
+
+            return ctx()
+
+    return FakeCUDAGraph
+
+
+@torch.no_grad()
+def test_cuda_graph_life_cycle_with_a_fake_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    import graphgear.capture as capture
+    from graphgear.capture import engine
+
+    fake = _fake_cuda_graph_class()
+    monkeypatch.setattr(capture, "graph_device", lambda inputs: torch.device("cuda"))
+    monkeypatch.setattr(capture, "find_uncapturable", lambda gm, device: [])
+    monkeypatch.setattr(engine, "CUDAGraph", fake)
+    torch.manual_seed(0)
+    net, ref = Cache(), Cache()
+    ref.load_state_dict(net.state_dict())
+    pool = MemoryPool(pool_id=(0, 1))
+    f = torch.compile(net, backend=_ro(warmup_iters=1, use_custom_pool=pool))
+    outs = []
+    for p in range(4):
+        x = torch.randn(1, 8)
+        outs.append(f(x, torch.tensor([p])))
+        torch.testing.assert_close(outs[-1], ref(x, torch.tensor([p])))
+        torch.testing.assert_close(net.cache, ref.cache)  # warm-up and capture left no trace
+    r = _rec()
+    assert (r.uncaptured_runs, r.captures, r.replays) == (1, 1, 2)
+    (eng,) = _engines()
+    (entry,) = eng.entries.values()
+    assert type(entry.graph) is fake and entry.graph.graph.replays == 3  # capture call + 2
+    with pytest.raises(RuntimeError, match="overwritten"):
+        outs[-2] + 0
+    graphgear.reset()
+    with pytest.raises(RuntimeError, match="overwritten|released"):
+        outs[-1] + 0
