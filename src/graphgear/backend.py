@@ -82,14 +82,17 @@ def _set_gear_to_compiler(
 
 
 def _get_partition_fn(config: CompilerConfig) -> Callable[..., Any]:
-    from torch._functorch.partitioners import default_partition
+    from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 
+    # max-autotune partitions as Inductor does: Inductor's backward compile of a
+    # default_partition graph gave wrong gradients on the toy decoder (KV-cache writes)
+    base = min_cut_rematerialization_partition if mode_of(config) == "max-autotune" else default_partition
     if not config.experimental_config.fx_passes:
-        return default_partition
+        return base
 
     def partition_fn(graph: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
         joint_graph_passes(graph, joint_inputs, config)
-        return default_partition(graph, joint_inputs, **kwargs)
+        return base(graph, joint_inputs, **kwargs)
 
     return partition_fn
 
