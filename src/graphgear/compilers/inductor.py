@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch.utils import _pytree as pytree
 
 from .base import CompileContext
 
@@ -55,6 +56,7 @@ def compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: Com
     """
     from torch._inductor.compile_fx import compile_fx_inner
 
+    spec = _return_tuple(gm)
     inlined = prepare_for_inductor(gm)
     if inlined:
         log.debug("graphgear: inlined %d fused ops for Inductor in %s", inlined, ctx.record.name)
@@ -67,4 +69,26 @@ def compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: Com
             is_inference=ctx.stage == "inference",
             is_backward=ctx.stage == "backward",
         )
-    return compiled
+    if spec is None:
+        return compiled
+
+    def unflatten(args: list[Any]) -> Any:
+        return pytree.tree_unflatten(list(compiled(args)), spec)
+
+    unflatten._boxed_call = True  # type: ignore[attr-defined]
+    return unflatten
+
+
+def _return_tuple(gm: fx.GraphModule) -> Any:
+    """Inductor compiles graphs that return a tuple or list; make ``gm`` return its
+    outputs flattened. Returns the pytree spec to rebuild them, None if already flat."""
+    out = next(iter(gm.graph.find_nodes(op="output")))
+    (rv,) = out.args
+    if isinstance(rv, tuple | list) and all(not isinstance(x, tuple | list | dict) for x in rv):
+        return None
+    flat, spec = pytree.tree_flatten(rv)
+    with gm.graph.inserting_before(out):
+        gm.graph.output(flat)
+    gm.graph.erase_node(out)
+    gm.recompile()
+    return spec

@@ -1,0 +1,210 @@
+"""max-autotune: every graph (forward, backward, inference) compiled by Inductor after
+graphgear's passes; correct against eager, training included; Inductor's on-disk cache
+serves a second process.
+
+Inductor compiles are the slow part: the models are small and the cache is shared
+(tests/conftest.py), so a warm run takes a few seconds per model.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+import graphgear
+from graphgear.passes.joint import JOINT_LOG
+from graphgear.toy_decoder import DecoderConfig, ToyDecoder
+
+
+def mat_config(**experimental: object) -> graphgear.CompilerConfig:
+    cfg = graphgear.CompilerConfig()
+    cfg.mode = "max-autotune"
+    for k, v in experimental.items():
+        setattr(cfg.experimental_config, k, v)
+    return cfg
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    torch._dynamo.reset()
+    JOINT_LOG.clear()
+    yield
+    JOINT_LOG.clear()
+
+
+def check_training(model: nn.Module, *inputs: torch.Tensor, cfg: graphgear.CompilerConfig,
+                   rtol: float = 1e-4, atol: float = 1e-5) -> None:
+    ref = copy.deepcopy(model)
+    f = torch.compile(model, backend=graphgear.get_backend(cfg))
+    for step in range(2):  # the second call runs the compiled graphs again
+        out, expected = f(*inputs), ref(*inputs)
+        torch.testing.assert_close(out, expected, rtol=rtol, atol=atol)
+        out.square().mean().backward()
+        expected.square().mean().backward()
+        for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=rtol, atol=atol, msg=f"step {step}: {name}")
+        model.zero_grad()
+        ref.zero_grad()
+    stages = [(g.stage, g.mode) for g in graphgear.stats().graphs]
+    assert ("forward", "max-autotune") in stages and ("backward", "max-autotune") in stages
+
+
+def test_mlp_training_and_inference():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8))
+    x = torch.randn(4, 16)
+    check_training(model, x, cfg=mat_config())
+    torch._dynamo.reset()
+    f = torch.compile(model, backend=graphgear.get_backend(mat_config()))
+    with torch.no_grad():
+        torch.testing.assert_close(f(x), model(x), rtol=1e-5, atol=1e-6)
+    rec = graphgear.stats().graphs[-1]
+    assert rec.stage == "inference" and rec.mode == "max-autotune" and rec.compiles == 1
+
+
+class ConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 8, 3, stride=2)
+        self.fc = nn.Linear(8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.bn(self.conv1(x)))
+        x = torch.relu(self.conv2(x))
+        return self.fc(x.mean((2, 3)))
+
+
+def test_conv_net_training():
+    torch.manual_seed(0)
+    check_training(ConvNet(), torch.randn(2, 3, 12, 12), cfg=mat_config())
+
+
+def test_decoder_inference_with_kv_cache_and_passes():
+    torch.manual_seed(0)
+    model = ToyDecoder(DecoderConfig(num_layers=2))
+    ref = copy.deepcopy(model)
+    f = torch.compile(model, backend=graphgear.get_backend(mat_config(fx_passes=True)))
+    with torch.no_grad():
+        for p in range(4):  # decode steps: one compile, the cache written in place each step
+            tok, pos = torch.tensor([[p + 3]]), torch.tensor([p])
+            torch.testing.assert_close(f(tok, pos), ref(tok, pos), rtol=1e-4, atol=1e-5)
+    for a, b in zip(model.layers, ref.layers):
+        torch.testing.assert_close(a.attn.k_cache, b.attn.k_cache, rtol=1e-5, atol=1e-6)
+    (entry,) = JOINT_LOG
+    assert entry["kind"] == "inductor"
+    assert entry["matches"]["rms_norm_fusion"] == 5
+    assert entry["matches"]["rotary_fusion"] == 4
+    # Inductor's own attention code is faster than the CPU SDPA kernel: not rewritten
+    assert entry["matches"]["attention_fusion"] == 0
+    (rec,) = graphgear.stats().graphs
+    assert rec.compiles == 1 and rec.mode == "max-autotune"
+
+
+def test_decoder_training():
+    torch.manual_seed(0)
+    model = ToyDecoder(DecoderConfig(num_layers=1, hidden_size=64, intermediate_size=128))
+    check_training(model, torch.tensor([[3, 4]]), torch.tensor([0, 1]), cfg=mat_config(fx_passes=True))
+
+
+def test_compile_inductor_takes_a_static_graph():
+    """The gear dispatcher hands compile_inductor one static graph per gear."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from graphgear.compilers import compile_graph
+
+    def f(x, w):
+        return torch.relu(x @ w).sum(-1)
+
+    outs = []
+    for batch in (1, 4):
+        x, w = torch.randn(batch, 8), torch.randn(8, 8)
+        gm = make_fx(f)(x, w)
+        fn = compile_graph(gm, [x, w], config=mat_config(), stage="inference", static_inputs=[1])
+        outs.append((fn(x, w), f(x, w)))
+    for got, want in outs:
+        torch.testing.assert_close(got[0] if isinstance(got, (list, tuple)) else got, want)
+    assert [g.compiles for g in graphgear.stats().graphs] == [1, 1]
+
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=128, attn_implementation="eager"))
+
+
+def _gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+
+
+class Logits(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(ids).logits
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["llama", "gpt2"])
+def test_transformers_training(which):
+    torch.manual_seed(0)
+    model = Logits(_llama() if which == "llama" else _gpt2())
+    model.train()
+    check_training(model, torch.randint(0, 128, (2, 8)), cfg=mat_config(fx_passes=True))
+
+
+@pytest.mark.slow
+def test_llama_static_cache_generate():
+    torch.manual_seed(0)
+    model = _llama().eval()
+    ids = torch.randint(0, 128, (1, 5))
+    with torch.no_grad():
+        expected = model.generate(ids, max_new_tokens=6, do_sample=False, cache_implementation="static")
+        model.forward = torch.compile(model.forward, backend=graphgear.get_backend(mat_config(fx_passes=True)))
+        got = model.generate(ids, max_new_tokens=6, do_sample=False, cache_implementation="static")
+    assert got.tolist() == expected.tolist()
+
+
+@pytest.mark.slow
+def test_second_process_compiles_from_the_disk_cache():
+    """A new process with the same TORCHINDUCTOR_CACHE_DIR hits Inductor's FX graph cache."""
+    script = textwrap.dedent("""
+        import json, time, torch, graphgear
+        from torch._dynamo.utils import counters
+        from graphgear.toy_decoder import DecoderConfig, ToyDecoder
+        torch.manual_seed(0)
+        cfg = graphgear.CompilerConfig(); cfg.mode = "max-autotune"
+        f = torch.compile(ToyDecoder(DecoderConfig(num_layers=1)), backend=graphgear.get_backend(cfg))
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            f(torch.tensor([[3]]), torch.tensor([1]))
+        print(json.dumps({"seconds": time.perf_counter() - t0,
+                          "hit": counters["inductor"]["fxgraph_cache_hit"],
+                          "miss": counters["inductor"]["fxgraph_cache_miss"]}))
+    """)
+    env = dict(os.environ)
+    runs = []
+    for _ in range(2):  # the first may fill the cache; the second must hit it
+        res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                             text=True, timeout=300)
+        assert res.returncode == 0, res.stderr[-3000:]
+        runs.append(json.loads(res.stdout.strip().splitlines()[-1]))
+    warm = runs[1]
+    assert warm["hit"] >= 1 and warm["miss"] == 0, runs
+    assert warm["seconds"] < 15, runs
