@@ -263,16 +263,22 @@ def test_pool_shared_across_keys(share: bool) -> None:
     b = f(x5)
     engines = _engines()[-2:]
     pools = {id(e.pool) for e in engines}
+    graphs = [next(iter(e.entries.values())).graph for e in engines]
+    inputs = (3 + 5) * 8 * 4  # the two static input buffers, float32
     if share:  # one pool: key 5's replay overwrote key 3's output
         assert len(pools) == 1
+        assert engines[0].pool.nbytes < sum(g.nbytes for g in graphs) + inputs
         with pytest.raises(RuntimeError, match="overwritten"):
             a + 0
     else:
         assert len(pools) == 2
+        assert all(e.pool.nbytes >= g.nbytes > 0 for e, g in zip(engines, graphs))
         torch.testing.assert_close(a, net(x3))  # its own memory: still valid
     torch.testing.assert_close(b, net(x5))
-    shared = graphgear.stats().graphs[-1].pool_bytes
-    assert shared > 0
+    assert graphgear.stats().graphs[-1].pool_bytes > 0
+    for x in (x3, x5, x3):  # after the block grew, both captures still compute right
+        torch.testing.assert_close(f(x), net(x))
+    assert sum(g.captures for g in graphgear.stats().graphs) == 2
 
 
 @torch.no_grad()

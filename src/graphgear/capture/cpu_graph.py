@@ -175,6 +175,7 @@ class CPUGraph:
             n = _nbytes(size, stride, dtype)
             blk = pool.block(len(record), n, self.device)
             t = torch.empty((), dtype=dtype).set_(blk, 0, tuple(size), tuple(stride))
+            pool.register(len(record), t)
             record.append(t)
             return t
 

@@ -5,8 +5,8 @@ A :class:`MemoryPool` is the memory that one or more captured graphs run in:
 * on CUDA and NPU it carries the device graph pool handle (``graph_pool_handle()``)
   that captures share;
 * on the CPU it holds graphgear's own arena: the ``k``-th buffer a capture allocates is
-  the pool's block ``k`` (grown when a later capture needs more), so every capture that
-  shares the pool runs in the same memory.
+  the pool's block ``k`` (grown when a later capture needs more, moving the earlier
+  captures' buffers along), so every capture that shares the pool runs in the same memory.
 
 Sharing memory means a replay overwrites the outputs of every capture in the pool. The
 pool therefore tracks the outputs it handed out and poisons them (see ``liveness``)
@@ -49,6 +49,7 @@ class MemoryPool:
         self.pool_id = pool_id
         self.name = name
         self._blocks: list[torch.UntypedStorage] = []
+        self._views: list[list[weakref.ref[torch.Tensor]]] = []
         self._bytes = 0
         self._handed: list[weakref.ref[torch.Tensor]] = []
         self._lock = threading.Lock()
@@ -72,20 +73,35 @@ class MemoryPool:
     def block(self, index: int, nbytes: int, device: torch.device) -> torch.UntypedStorage:
         """Block ``index`` of the arena, at least ``nbytes`` long.
 
-        A block too small for a new capture is replaced by a larger one; captures made
-        before keep a reference to the old block, so they stay valid (and stop sharing
-        that block).
+        A block too small for a new capture is replaced by a larger one, and the buffers
+        of earlier captures on it move to the new block (see :meth:`register`).
         """
         nbytes = max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
         with self._lock:
             while len(self._blocks) <= index:
                 self._blocks.append(torch.UntypedStorage(0, device=device))
+                self._views.append([])
             blk = self._blocks[index]
             if blk.nbytes() < nbytes or blk.device != device:
-                blk = torch.UntypedStorage(nbytes, device=device)
-                self._blocks[index] = blk
-                self._bytes += nbytes
+                # Grow: move every earlier capture's buffer on this block to the new
+                # block (their contents are rewritten by each replay), so the captures
+                # keep sharing one block. Outputs handed out over the old block were
+                # poisoned before this capture started.
+                new = torch.UntypedStorage(nbytes, device=device)
+                live = []
+                for ref in self._views[index]:
+                    t = ref()
+                    if t is not None:
+                        t.set_(new, t.storage_offset(), t.size(), t.stride())
+                        live.append(ref)
+                self._views[index] = live
+                self._bytes += nbytes - (blk.nbytes() if blk.device == device else 0)
+                self._blocks[index] = blk = new
             return blk
+
+    def register(self, index: int, t: torch.Tensor) -> None:
+        """Note that ``t`` lives on block ``index``, so that growing the block moves it."""
+        self._views[index].append(weakref.ref(t))
 
     @property
     def nbytes(self) -> int:
@@ -120,6 +136,7 @@ class MemoryPool:
         )
         with self._lock:
             self._blocks.clear()
+            self._views.clear()
             self._bytes = 0
 
     def __repr__(self) -> str:
