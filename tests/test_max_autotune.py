@@ -41,10 +41,10 @@ def _fresh():
 
 
 def check_training(model: nn.Module, *inputs: torch.Tensor, cfg: graphgear.CompilerConfig,
-                   rtol: float = 1e-4, atol: float = 1e-5) -> None:
+                   rtol: float = 1e-4, atol: float = 1e-5, steps: int = 2) -> None:
     ref = copy.deepcopy(model)
     f = torch.compile(model, backend=graphgear.get_backend(cfg))
-    for step in range(2):  # the second call runs the compiled graphs again
+    for step in range(steps):  # the second call runs the compiled graphs again
         out, expected = f(*inputs), ref(*inputs)
         torch.testing.assert_close(out, expected, rtol=rtol, atol=atol)
         out.square().mean().backward()
@@ -113,7 +113,11 @@ def test_decoder_inference_with_kv_cache_and_passes():
 def test_decoder_training():
     torch.manual_seed(0)
     model = ToyDecoder(DecoderConfig(num_layers=1, hidden_size=64, intermediate_size=128))
-    check_training(model, torch.tensor([[3, 4]]), torch.tensor([0, 1]), cfg=mat_config(fx_passes=True))
+    # one step: a KV cache written under grad carries the step's graph (eager as well)
+    check_training(model, torch.tensor([[3, 4]]), torch.tensor([0, 1]), cfg=mat_config(fx_passes=True),
+                   steps=1)
+    (entry,) = JOINT_LOG
+    assert entry["training"] and entry["matches"]["rotary_fusion"] == 2
 
 
 def test_compile_inductor_takes_a_static_graph():

@@ -61,11 +61,17 @@ def compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: Com
     if inlined:
         log.debug("graphgear: inlined %d fused ops for Inductor in %s", inlined, ctx.record.name)
         ctx.record.passes["inline_fused_ops"] = ctx.record.passes.get("inline_fused_ops", 0) + inlined
+    static = list(ctx.static_inputs)
+    if ctx.stage == "backward":
+        # as Inductor's bw_compiler: the saved activations before the tangents are fixed
+        from torch._inductor.utils import count_tangents
+
+        static = list(range(count_tangents(gm)))
     with torch._inductor.config.patch(INDUCTOR_PATCHES):
         compiled = compile_fx_inner(
             gm,
             list(example_inputs),
-            static_input_idxs=list(ctx.static_inputs),
+            static_input_idxs=static,
             is_inference=ctx.stage == "inference",
             is_backward=ctx.stage == "backward",
         )

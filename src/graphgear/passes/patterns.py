@@ -115,6 +115,10 @@ class PatternSet:
             for group in groups if groups is not None else self.groups():
                 matcher = self._matcher(group, kind)
                 counts[group] = int(matcher.apply(gm.graph)) if matcher is not None else 0
+        # the matcher caches mutation regions on the nodes; later passes (in-place
+        # recovery) add mutations, and Inductor's own matcher would trust stale regions
+        for n in gm.graph.nodes:
+            n.meta.pop("mutation_region_id", None)
         return counts
 
 
