@@ -155,24 +155,53 @@ def test_more_than_100_combinations_is_an_error() -> None:
     assert isinstance(err, GearError) and "121" in str(err) and "at most 100" in str(err)
 
 
-def test_precompile_builds_every_gear_before_the_first_real_call() -> None:
+@pytest.mark.parametrize("mode", ["max-autotune", "reduce-overhead"])
+def test_precompile_builds_every_gear_before_the_first_real_call(mode: str) -> None:
     model = small_decoder().eval()
     ref = small_decoder().eval()
     ref.load_state_dict(model.state_dict())
-    compiled = torch.compile(model, backend=backend("max-autotune"))
+    compiled = torch.compile(model, backend=backend(mode))
     tok = geared(torch.randint(0, 128, (2, 1)), {0: [1, 2, 4]})
     pos = torch.tensor([0])
     with torch.no_grad():
         out = graphgear.inference.precompile_gears(compiled, tok, pos)
         (g,) = graphgear.stats().graphs
         assert g.compiles == 3  # every gear, at start-up
+        if mode == "reduce-overhead":
+            assert g.captures == 3  # and captured: warm-up and capture calls per gear
         assert_close(out, ref(tok, pos))
         for layer_c, layer_r in zip(model.layers, ref.layers):  # caches as after one real call
             torch.testing.assert_close(layer_c.attn.k_cache, layer_r.attn.k_cache)
         for b in (1, 4):
             t = geared(torch.randint(0, 128, (b, 1)), {0: [1, 2, 4]})
             assert_close(compiled(t, torch.tensor([1])), ref(t, torch.tensor([1])))
-    assert graphgear.stats().graphs[0].compiles == 3
+    g = graphgear.stats().graphs[0]
+    assert g.compiles == 3
+    if mode == "reduce-overhead":
+        assert g.captures == 3 and g.replays == 3  # the real call and the two after it
+
+
+@pytest.mark.parametrize("mode", ["eager", "reduce-overhead"])
+def test_padding_keeps_padded_mutated_input_in_place(mode: str) -> None:
+    """An input written in place along a geared dim is padded into one buffer per gear
+    (stable address: no capture per call) and the real rows are written back."""
+    def f(x, state):
+        state.add_(x)
+        return state * 2
+
+    compiled = torch.compile(f, backend=backend(mode, gear_padding=True))
+    state, state_ref = torch.zeros(3, 4), torch.zeros(3, 4)
+    for _ in range(4):
+        x = torch.randn(3, 4)
+        graphgear.set_dim_gears(x, {0: [2, 4]})
+        graphgear.set_dim_gears(state, {0: [2, 4]})
+        out = compiled(x, state)
+        ref = f(x, state_ref)
+        assert_close(out, ref)
+        torch.testing.assert_close(state, state_ref)
+    (g,) = graphgear.stats().graphs
+    if mode == "reduce-overhead":
+        assert g.captures == 1
 
 
 # ------------------------------------------------------------ transformers Llama

@@ -277,6 +277,7 @@ class GearedGraph:
         out_specs: list[Any],
         mutated: Sequence[int],
         record: Any,
+        calls_to_build: int = 1,
     ) -> None:
         self.info = info
         self.plan = plan
@@ -287,6 +288,10 @@ class GearedGraph:
         self.record = record
         self.compiled: dict[tuple[int, ...], Callable[..., Any]] = {}
         self.warmed: set[tuple[int, ...]] = set()
+        self.calls_to_build = calls_to_build  # calls that compile (and capture) one key
+        # padded copies of inputs, one per (argument, gear): a stable address, so a
+        # captured graph that binds or mutates it in place is not captured again
+        self._pad_buffers: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
         self.per_key = True  # each key is compiled by ``build`` (False: one shared graph)
         self._lock = threading.Lock()
         if plan is not None:
@@ -335,7 +340,12 @@ class GearedGraph:
                     shape = list(a.shape)
                     for d, i in dims:
                         shape[d] = grow[i][1]
-                    p = a.new_zeros(shape)
+                    p = self._pad_buffers.get((j, target))
+                    if p is None or list(p.shape) != shape or p.dtype != a.dtype or p.device != a.device:
+                        p = a.new_zeros(shape)
+                        self._pad_buffers[(j, target)] = p
+                    else:
+                        p.zero_()
                     p[tuple(slice(0, n) for n in a.shape)] = a
                     new_args[j] = p
                     padded[j] = dims
@@ -372,8 +382,10 @@ class GearedGraph:
         bar = progress.get("bar")
         for key in keys:
             fn = self._get(key)
+            resized = _resize_args(self.info, args, key)
             with torch.no_grad():
-                fn(*_resize_args(self.info, args, key))
+                for _ in range(self.calls_to_build):
+                    fn(*resized)
             self.warmed.add(key)
             if bar is not None:
                 bar.update(1)

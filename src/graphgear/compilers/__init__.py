@@ -144,6 +144,8 @@ def _compile_by_shape(
         out_specs=output_specs(gm, info),
         mutated=ctx.mutated_inputs,
         record=ctx.record,
+        # reduce-overhead captures on the call after its warm-up runs
+        calls_to_build=ctx.config.capture_config.warmup_iters + 1 if mode == "reduce-overhead" else 1,
     )
     geared.per_key = per_key
     return geared
