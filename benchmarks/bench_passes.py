@@ -1,0 +1,109 @@
+"""What graphgear's FX passes buy on the embedded decoder step (batch 1, one token,
+tensor positions, ``torch.no_grad()``), in both modes, measured side by side.
+
+For each mode (``max-autotune``, ``reduce-overhead``) and for ``debug.run_eagerly``
+(the optimised FX graph run op by op, which shows what the passes do to the op count
+without any code generation), it times: passes off (``fx_passes=False``), all passes
+on, and all on but one fusion. It also prints, per variant, the joint-pass match counts
+and the aten op count of the graph before and after the passes.
+
+    python benchmarks/bench_passes.py [--rounds 7] [--iters 200] [--threads 1]
+        [--modes max-autotune,reduce-overhead,run_eagerly]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+from typing import Any
+
+import torch
+
+import graphgear
+from graphgear.passes.joint import JOINT_LOG
+from graphgear.toy_decoder import DecoderConfig, ToyDecoder
+
+FUSIONS = ("rms_norm_fusion", "rotary_fusion", "attention_fusion")
+
+
+def make(model: ToyDecoder, mode: str, fx_passes: bool, disabled: tuple[str, ...]) -> tuple[Any, dict]:
+    cfg = graphgear.CompilerConfig()
+    if mode == "run_eagerly":
+        cfg.mode = "reduce-overhead"
+        cfg.debug.run_eagerly = True
+    else:
+        cfg.mode = mode
+    cfg.experimental_config.fx_passes = fx_passes
+    cfg.experimental_config.disabled_passes = disabled
+    m = copy.deepcopy(model)
+    f = torch.compile(m, backend=graphgear.get_backend(cfg))
+    JOINT_LOG.clear()
+    n0 = len(graphgear.stats().graphs)
+    with torch.no_grad():
+        for _ in range(3):  # compile, warm up, capture
+            f(torch.tensor([[7]]), torch.tensor([5]))
+    info: dict[str, Any] = {"joint": dict(JOINT_LOG[-1]) if JOINT_LOG else None}
+    recs = graphgear.stats().graphs[n0:]
+    info["ops_after_passes"] = recs[-1].num_nodes if recs else None
+    return f, info
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--modes", default="max-autotune,reduce-overhead,run_eagerly")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    # every variant compiles the same forward: let dynamo keep them all
+    torch._dynamo.config.recompile_limit = 64
+    torch._dynamo.config.accumulated_recompile_limit = 256
+    torch.manual_seed(0)
+    model = ToyDecoder(DecoderConfig())
+    tok, pos = torch.tensor([[7]]), torch.tensor([5])
+    variants: dict[str, Any] = {}
+    infos: dict[str, dict] = {}
+    variants["eager"] = copy.deepcopy(model)
+    for mode in args.modes.split(","):
+        torch._dynamo.reset()
+        specs = [("passes off", False, ()), ("fx_passes on", True, ())]
+        specs += [(f"on, no {f}", True, (f,)) for f in FUSIONS]
+        for label, fx, disabled in specs:
+            name = f"{mode}: {label}"
+            try:
+                variants[name], infos[name] = make(model, mode, fx, disabled)
+            except Exception as e:  # a mode that cannot run here is reported, not fatal
+                print(f"{name}: could not compile: {type(e).__name__}: {str(e)[:200]}")
+    with torch.no_grad():
+        ref = variants["eager"](tok, pos)
+        for name, fn in variants.items():
+            err = (fn(tok, pos) - ref).abs().max().item()
+            if err > 1e-4:
+                raise SystemExit(f"{name}: output differs from eager by {err}")
+        samples: dict[str, list[float]] = {k: [] for k in variants}
+        for _ in range(args.rounds):
+            for name, fn in variants.items():
+                t0 = time.perf_counter()
+                for _ in range(args.iters):
+                    fn(tok, pos)
+                samples[name].append((time.perf_counter() - t0) / args.iters)
+    times = {k: statistics.median(v) for k, v in samples.items()}
+    print(f"decoder step (batch 1, 1 token, {args.threads} thread(s)), median of {args.rounds} "
+          f"rounds x {args.iters} calls; ratio = time / same mode with passes off")
+    print(f"{'variant':46s} {'us/step':>8s} {'ratio':>6s}  {'ops before->after':>18s}  matches")
+    for name, t in times.items():
+        mode = name.split(":")[0]
+        base = times.get(f"{mode}: passes off", t)
+        info = infos.get(name, {})
+        joint = info.get("joint")
+        ops = f"{joint['nodes_before']}->{joint['nodes_after']}" if joint else "-"
+        matches = {k.replace("_fusion", ""): v for k, v in joint["matches"].items()
+                   if k.endswith("_fusion")} if joint else ""
+        print(f"{name:46s} {t * 1e6:8.1f} {t / base:6.2f}  {ops:>18s}  {matches}")
+
+
+if __name__ == "__main__":
+    main()
