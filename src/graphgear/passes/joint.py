@@ -40,8 +40,10 @@ aten = torch.ops.aten
 
 __all__ = ["JOINT_LOG", "joint_graph_passes", "joint_pass_manager"]
 
-# one entry per call of joint_graph_passes: what each pass found (tests, benchmarks)
+# one entry per call of joint_graph_passes: what each pass found (tests, benchmarks);
+# the latest _JOINT_LOG_MAX are kept
 JOINT_LOG: list[dict[str, Any]] = []
+_JOINT_LOG_MAX = 1000
 
 
 def _val(n: Any) -> Any:
@@ -386,6 +388,7 @@ def joint_graph_passes(gm: fx.GraphModule, example_inputs: Sequence[Any], config
     entry = {"training": _is_joint(gm), "kind": decomp_kind(config), "matches": counts,
              "nodes_before": before, "nodes_after": after, "seconds": time.perf_counter() - t0}
     JOINT_LOG.append(entry)
+    del JOINT_LOG[:-_JOINT_LOG_MAX]
     gm.meta["graphgear_joint_passes"] = dict(counts)
     log.info("graphgear joint passes (%s, %s): %s; %d -> %d ops in %.3fs",
              "training" if entry["training"] else "inference", entry["kind"], counts, before,

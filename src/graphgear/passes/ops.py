@@ -16,6 +16,7 @@ graph). ``_fused_rms_norm`` has only an extern fallback in Inductor, so
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -149,7 +150,7 @@ def inline_decompositions(gm: fx.GraphModule, table: dict[Any, Callable[..., Any
             return _decomp(*args, **kwargs)
 
         vals = [flat[i].meta["val"] for i in node_pos]
-        ctx = fake_mode if fake_mode is not None else _nullcontext()
+        ctx = fake_mode if fake_mode is not None else contextlib.nullcontext()
         with ctx:
             sub = make_fx(fn, tracing_mode="real")(*vals)
         env: dict[fx.Node, Any] = {}
@@ -163,14 +164,6 @@ def inline_decompositions(gm: fx.GraphModule, table: dict[Any, Callable[..., Any
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return count
-
-
-class _nullcontext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
 
 
 def _replace_outputs(graph: fx.Graph, node: fx.Node, out: Any) -> None:
