@@ -76,6 +76,7 @@ class ShapeInfo:
     def concrete(self, key: Sequence[int]) -> list[Any]:
         """Example arguments (fake tensors in a new fake mode, or ints) at ``key``."""
         from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
         bind = dict(zip(self.symbols, key))
 
@@ -84,7 +85,8 @@ class ShapeInfo:
                 return int(x.node.expr.xreplace(bind))
             return int(x)
 
-        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        # a shape env (with nothing symbolic in it) lets Inductor use its FX graph cache
+        mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
         out: list[Any] = []
         with mode:
             for v in self.vals:
