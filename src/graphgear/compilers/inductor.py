@@ -4,7 +4,8 @@
 graphgear's passes, with Inductor's graph compiler (``compile_fx_inner``). It compiles
 the graph as given: a dynamic graph once for all its sizes, a static graph (one gear,
 as the gear dispatcher hands it) for that size. Inductor's on-disk cache
-(``TORCHINDUCTOR_CACHE_DIR``) makes a second process's compile of the same graph fast.
+(``TORCHINDUCTOR_CACHE_DIR``) makes a second process's compile of the same graph fast;
+its key is tagged with ``graphgear.passes.PASSES_VERSION``.
 
 The fusion passes leave fused ops Inductor can only call as extern kernels
 (``graphgear::rotary_rotate_half``, ``aten._fused_rms_norm``); they are inlined back
@@ -67,7 +68,10 @@ def compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: Com
         from torch._inductor.utils import count_tangents
 
         static = list(range(count_tangents(gm)))
-    with torch._inductor.config.patch(INDUCTOR_PATCHES):
+    from ..passes import PASSES_VERSION
+
+    tag = f"{torch.compiler.config.cache_key_tag}graphgear-passes-v{PASSES_VERSION}"
+    with torch._inductor.config.patch(INDUCTOR_PATCHES), torch.compiler.config.patch(cache_key_tag=tag):
         compiled = compile_fx_inner(
             gm,
             list(example_inputs),

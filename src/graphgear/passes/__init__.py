@@ -21,7 +21,13 @@ from .patterns import PatternFusion, register_replacement
 from .reinplace import ReinplaceInputs
 from .view_to_reshape import ViewToReshape
 
+# Bump when a pass changes what it does to a graph in a way the graph's text does not
+# show (node metadata Inductor reads): max-autotune adds it to Inductor's cache key, so
+# the on-disk cache never serves code compiled after an older pass pipeline.
+PASSES_VERSION = 2
+
 __all__ = [
+    "PASSES_VERSION",
     "GraphPass",
     "PassManager",
     "UserPass",
