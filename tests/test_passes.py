@@ -266,6 +266,16 @@ def test_fusions_fire_on_decoder_inference_and_match_eager():
     assert rec.passes["reinplace_inputs"] == 4  # 2 layers x (k, v)
 
 
+def test_no_sdpa_on_cpu_where_inductor_generates_the_code():
+    cfg = graphgear.CompilerConfig()
+    cfg.mode = "reduce-overhead"
+    cfg.experimental_config.fx_passes = True
+    run_decoder(cfg)
+    (entry,) = JOINT_LOG
+    assert entry["matches"]["attention_fusion"] == 0
+    assert entry["matches"]["rms_norm_fusion"] == 5 and entry["matches"]["rotary_fusion"] == 4
+
+
 def test_fusions_off_by_default():
     run_decoder(eager_config())
     assert JOINT_LOG == []

@@ -157,8 +157,9 @@ def _match(softmax: fx.Node) -> tuple[dict[str, object], list[fx.Node], fx.Node]
     return {"q": q, "k": k, "v": v, "mask": mask, "scale": scale}, nodes, out
 
 
-def fuse_attention(gm: fx.GraphModule) -> int:
-    """Rewrite every matched attention in ``gm`` (inference graphs); returns the count."""
+def fuse_attention(gm: fx.GraphModule, skip_devices: tuple[str, ...] = ()) -> int:
+    """Rewrite every matched attention in ``gm`` (inference graphs); returns the count.
+    Attention on a device type in ``skip_devices`` is left alone."""
     graph = gm.graph
     count = 0
     for softmax in list(graph.find_nodes(op="call_function", target=aten._softmax.default)):
@@ -168,6 +169,9 @@ def fuse_attention(gm: fx.GraphModule) -> int:
         if m is None:
             continue
         args, nodes, out = m
+        vq0 = _val(args["q"])
+        if isinstance(vq0, torch.Tensor) and vq0.device.type in skip_devices:
+            continue
         kwargs = {"scale": args["scale"]}
         if args["mask"] is not None:
             kwargs["attn_mask"] = args["mask"]

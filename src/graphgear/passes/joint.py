@@ -11,8 +11,9 @@ op, only where the fused op computes what the pattern computes:
   ``rotate_half(x) = cat(-x[..., h:], x[..., :h])`` → ``graphgear::rotary_rotate_half``.
 * ``attention_fusion``: ``softmax(q @ k^T * scale [+ mask]) @ v`` (or ``/ inv_scale``),
   float mask added, softmax over the last dim → ``aten.scaled_dot_product_attention``;
-  not for Inductor (max-autotune) on the CPU, where Inductor's own attention code was
-  measured faster than the CPU SDPA kernel on the decoder step.
+  on the CPU only under ``debug.run_eagerly``: where Inductor generates the code
+  (max-autotune, reduce-overhead's CPU graph) its attention was measured faster than
+  the CPU SDPA kernel on the decoder step.
 
 In a joint graph the patterns are traced forward and backward together, so a match
 replaces the op and its gradient; a forward-only match whose intermediates the
@@ -220,16 +221,14 @@ _SOFTMAX_REDUCTIONS = (aten._softmax.default, aten.amax.default, aten.sum.dim_In
 
 
 # the decomposition kind of the graph being searched (set by _FusionPass)
-_KIND = {"kind": "aten"}
+_KIND: dict[str, Any] = {"kind": "aten", "skip_devices": ()}
 
 
 def _attn_check(match: Any) -> bool:
     q, k, v = (_val(match.kwargs.get(n)) for n in ("q", "k", "v"))
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         return False
-    if _KIND["kind"] == "inductor" and q.device.type == "cpu":
-        # Inductor's generated attention beats the CPU SDPA kernel on the decoder step
-        # (benchmarks/bench_max_autotune.py): no fused kernel worth calling there
+    if q.device.type in _KIND["skip_devices"]:
         return False
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         return False
@@ -347,10 +346,16 @@ class AttentionFusion(_FusionPass):
     group = "attention"
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], config: Any) -> int:
+        from ..compilers import mode_of
+
+        # Where Inductor generates the code (max-autotune, and reduce-overhead's CPU
+        # graph), its attention beats the CPU SDPA kernel on the decoder step
+        # (benchmarks/bench_passes.py): on the CPU only run_eagerly gets SDPA.
+        _KIND["skip_devices"] = () if mode_of(config) == "eager" else ("cpu",)
         if decomp_kind(config) == "aten" and not _is_joint(gm):
             from .attention import fuse_attention
 
-            return fuse_attention(gm)
+            return fuse_attention(gm, skip_devices=_KIND["skip_devices"])
         return super().__call__(gm, example_inputs, config)
 
 
