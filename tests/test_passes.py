@@ -47,6 +47,15 @@ def _clean_log():
     pattern_mod.clear_replacements()
 
 
+@pytest.fixture
+def rms_kernel(monkeypatch):
+    """Pretend ``_fused_rms_norm`` has a kernel on the CPU (as on CUDA), so the RMSNorm
+    rewrite is allowed to fire; the op then traces to its composite form here."""
+    import graphgear.passes.joint as joint
+
+    monkeypatch.setattr(joint, "fused_rms_norm_kernel", lambda device: True)
+
+
 def run_decoder(cfg: graphgear.CompilerConfig, *, train: bool = False, layers: int = 2):
     torch.manual_seed(0)
     model = ToyDecoder(DecoderConfig(num_layers=layers))
@@ -251,7 +260,7 @@ def test_reinplace_switch():
 # ---------------------------------------------------------------- joint fusions, embedded decoder
 
 
-def test_fusions_fire_on_decoder_inference_and_match_eager():
+def test_fusions_fire_on_decoder_inference_and_match_eager(rms_kernel):
     run_decoder(eager_config(fx_passes=True))
     (entry,) = JOINT_LOG
     assert not entry["training"]
@@ -273,7 +282,17 @@ def test_no_sdpa_on_cpu_where_inductor_generates_the_code():
     run_decoder(cfg)
     (entry,) = JOINT_LOG
     assert entry["matches"]["attention_fusion"] == 0
-    assert entry["matches"]["rms_norm_fusion"] == 5 and entry["matches"]["rotary_fusion"] == 4
+    assert entry["matches"]["rotary_fusion"] == 4
+
+
+def test_no_rms_norm_rewrite_without_a_fused_kernel():
+    from graphgear.passes.joint import fused_rms_norm_kernel
+
+    assert not fused_rms_norm_kernel(torch.device("cpu"))  # CompositeImplicit on the CPU
+    run_decoder(eager_config(fx_passes=True))
+    (entry,) = JOINT_LOG
+    assert entry["matches"]["rms_norm_fusion"] == 0
+    assert entry["matches"]["rotary_fusion"] == 4 and entry["matches"]["attention_fusion"] == 2
 
 
 def test_fusions_off_by_default():
@@ -281,7 +300,7 @@ def test_fusions_off_by_default():
     assert JOINT_LOG == []
 
 
-def test_each_fusion_switchable_by_name():
+def test_each_fusion_switchable_by_name(rms_kernel):
     run_decoder(eager_config(fx_passes=True, disabled_passes=("attention_fusion", "rotary_fusion")))
     (entry,) = JOINT_LOG
     assert entry["matches"]["rms_norm_fusion"] == 5
@@ -295,7 +314,7 @@ def test_fusions_in_training_keep_gradients():
     assert entry["matches"]["rotary_fusion"] == 4
 
 
-def test_joint_passes_dump_after_each_fusion(tmp_path):
+def test_joint_passes_dump_after_each_fusion(tmp_path, rms_kernel):
     cfg = eager_config(fx_passes=True)
     cfg.debug.graph_dump.type = "py"
     cfg.debug.graph_dump.path = str(tmp_path)
@@ -332,7 +351,7 @@ class Block(nn.Module):
 
 
 @pytest.mark.parametrize("variant", ["pow3", "dim0"])
-def test_fusions_do_not_fire_where_the_pattern_differs(variant):
+def test_fusions_do_not_fire_where_the_pattern_differs(variant, rms_kernel):
     m = Block(variant)
     args = (torch.randn(3, 16), torch.randn(1, 2, 4, 16), torch.randn(1, 2, 4, 16),
             torch.randn(1, 2, 4, 16), torch.randn(1, 1, 4, 16), torch.randn(1, 1, 4, 16))
@@ -417,7 +436,7 @@ def _run_hf(model: nn.Module, cfg: graphgear.CompilerConfig, train: bool) -> Non
 
 
 @pytest.mark.slow
-def test_llama_inference_fusions():
+def test_llama_inference_fusions(rms_kernel):
     _run_hf(_llama(), eager_config(fx_passes=True), train=False)
     (entry,) = JOINT_LOG
     assert entry["matches"]["rms_norm_fusion"] == 5

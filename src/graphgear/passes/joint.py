@@ -6,7 +6,8 @@ op, only where the fused op computes what the pattern computes:
 
 * ``rms_norm_fusion``: ``w * (x * rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))`` (either
   order of the outer product) → ``aten._fused_rms_norm`` (float32/float64, 1-D weight
-  over the last dim).
+  over the last dim), on devices where that op has a kernel (not the CPU: there it is
+  CompositeImplicit and would trace straight back to the pattern).
 * ``rotary_fusion``: ``x * cos + rotate_half(x) * sin`` with
   ``rotate_half(x) = cat(-x[..., h:], x[..., :h])`` → ``graphgear::rotary_rotate_half``.
 * ``attention_fusion``: ``softmax(q @ k^T * scale [+ mask]) @ v`` (or ``/ inv_scale``),
@@ -76,9 +77,23 @@ def _rms_replace(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return aten._fused_rms_norm.default(x, [x.shape[-1]], w, eps)[0]
 
 
+_DISPATCH_KEY = {"cpu": "CPU", "cuda": "CUDA", "mps": "MPS", "xpu": "XPU", "npu": "PrivateUse1"}
+
+
+def fused_rms_norm_kernel(device: torch.device) -> bool:
+    """Whether ``aten._fused_rms_norm`` has a real kernel on ``device``. On the CPU (torch
+    2.13) it has none: it is CompositeImplicit and traces back into the unfused ops, so
+    the rewrite would buy nothing."""
+    key = _DISPATCH_KEY.get(device.type)
+    return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(
+        "aten::_fused_rms_norm", key)
+
+
 def _rms_check(match: Any) -> bool:
     x, w = _val(match.kwargs.get("x")), _val(match.kwargs.get("w"))
     if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor):
+        return False
+    if not fused_rms_norm_kernel(x.device):
         return False
     # _fused_rms_norm computes in float32 for half inputs, the pattern in half: refuse
     if x.dtype not in (torch.float32, torch.float64) or w.dtype != x.dtype:
