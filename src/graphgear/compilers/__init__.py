@@ -8,7 +8,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import fx
 
 from .. import debug
@@ -131,13 +130,7 @@ def _compile_by_shape(
         def build(key: tuple[int, ...]) -> Callable[..., Any]:
             t0 = time.perf_counter()
             static_gm, static_inputs = specialize(gm, info, key)
-            fake_mode = next(
-                (a.fake_mode for a in static_inputs if isinstance(a, torch._subclasses.FakeTensor)), None
-            )
-            # a tracing context whose fake mode has a shape env lets Inductor use its
-            # on-disk FX graph cache for the specialised graph
-            with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
-                fn = _convention(compiler(static_gm, static_inputs, ctx), boxed=False)
+            fn = _convention(compiler(static_gm, static_inputs, ctx), boxed=False)
             ctx.record.compiles += 1
             ctx.record.compile_seconds += time.perf_counter() - t0
             log.info("graphgear: %s specialised to key %s", ctx.record.name, key)

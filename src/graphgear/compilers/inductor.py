@@ -5,7 +5,8 @@ graphgear's passes, with Inductor's graph compiler (``compile_fx_inner``). It co
 the graph as given: a dynamic graph once for all its sizes, a static graph (one gear,
 as the gear dispatcher hands it) for that size. Inductor's on-disk cache
 (``TORCHINDUCTOR_CACHE_DIR``) makes a second process's compile of the same graph fast;
-its key is tagged with ``graphgear.passes.PASSES_VERSION``.
+its key is tagged with ``graphgear.passes.PASSES_VERSION`` (:func:`cache_context`, which
+the CPU graph's compile uses too).
 
 The fusion passes leave fused ops Inductor can only call as extern kernels
 (``graphgear::rotary_rotate_half``, ``aten._fused_rms_norm``); they are inlined back
@@ -14,6 +15,7 @@ into aten ops first, so Inductor fuses them with their neighbours into generated
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -26,7 +28,7 @@ from .base import CompileContext
 
 log = logging.getLogger(__name__)
 
-__all__ = ["INDUCTOR_PATCHES", "compile_inductor", "inductor_decompositions"]
+__all__ = ["INDUCTOR_PATCHES", "cache_context", "compile_inductor", "inductor_decompositions"]
 
 # Inductor options graphgear sets for every max-autotune compile. Measured on the
 # embedded decoder step (benchmarks/bench_max_autotune.py --patches, one run, 2-core CPU,
@@ -42,6 +44,28 @@ def inductor_decompositions() -> dict[Any, Any]:
     from torch._inductor.decomposition import select_decomp_table
 
     return dict(select_decomp_table())
+
+
+def cache_context(example_inputs: Sequence[Any], *, replace: bool = False) -> contextlib.ExitStack:
+    """The context an Inductor compile of graphgear's runs in, so that the FX graph
+    cache serves it: its key tagged with ``PASSES_VERSION``, and a tracing context whose
+    fake mode has a shape env (without one Inductor bypasses the cache).
+
+    Inside AOTAutograd's compile the active tracing context is kept (it carries the
+    graph's metadata) unless ``replace``; at run time (a gear or a capture built on its
+    first call) a fresh one is made from the example inputs' fake mode.
+    """
+    from ..passes import PASSES_VERSION
+
+    stack = contextlib.ExitStack()
+    tag = f"{torch.compiler.config.cache_key_tag}graphgear-passes-v{PASSES_VERSION}"
+    stack.enter_context(torch.compiler.config.patch(cache_key_tag=tag))
+    if replace or torch._guards.TracingContext.try_get() is None:
+        fake_mode = next(
+            (a.fake_mode for a in example_inputs if isinstance(a, torch._subclasses.FakeTensor)), None
+        )
+        stack.enter_context(torch._guards.tracing(torch._guards.TracingContext(fake_mode)))
+    return stack
 
 
 def prepare_for_inductor(gm: fx.GraphModule) -> int:
@@ -70,10 +94,7 @@ def compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: Com
         from torch._inductor.utils import count_tangents
 
         static = list(range(count_tangents(gm)))
-    from ..passes import PASSES_VERSION
-
-    tag = f"{torch.compiler.config.cache_key_tag}graphgear-passes-v{PASSES_VERSION}"
-    with torch._inductor.config.patch(INDUCTOR_PATCHES), torch.compiler.config.patch(cache_key_tag=tag):
+    with cache_context(example_inputs), torch._inductor.config.patch(INDUCTOR_PATCHES):
         compiled = compile_fx_inner(
             gm,
             list(example_inputs),
