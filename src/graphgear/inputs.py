@@ -18,33 +18,19 @@ __all__ = ["GraphInputs", "dynamo_input_names", "mutated_placeholders", "static_
 
 @dataclasses.dataclass
 class GraphInputs:
-    """What the backend learnt about the inputs of one dynamo graph."""
+    """What the backend learnt about the inputs of one dynamo graph: the user's names
+    and the gears recorded on them. (Static inputs are AOTAutograd's to say: see
+    :func:`static_input_indices`.)"""
 
     names: list[str]
     dim_gears: dict[int, dict[int, list[int]]]  # input index -> {dim: gears}
-    parameters: list[int]
-    static: list[int]
 
     @classmethod
     def from_dynamo(cls, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> GraphInputs:
         from .gears import get_dim_gears
 
-        names = dynamo_input_names(gm, len(example_inputs))
-        gears: dict[int, dict[int, list[int]]] = {}
-        params: list[int] = []
-        static: list[int] = []
-        for i, x in enumerate(example_inputs):
-            if not isinstance(x, torch.Tensor):
-                continue
-            g = get_dim_gears(x)
-            if g:
-                gears[i] = g
-            if isinstance(x, torch.nn.Parameter):
-                params.append(i)
-                static.append(i)
-            elif getattr(x, "_dynamo_static_input_type", None) is not None:
-                static.append(i)
-        return cls(names=names, dim_gears=gears, parameters=params, static=static)
+        gears = {i: g for i, x in enumerate(example_inputs) if (g := get_dim_gears(x))}
+        return cls(names=dynamo_input_names(gm, len(example_inputs)), dim_gears=gears)
 
 
 def dynamo_input_names(gm: fx.GraphModule, n: int) -> list[str]:
