@@ -10,7 +10,7 @@ read (see "When padding is safe" in the README). Prints, per contender: graphs c
 dynamo gave up on, graphgear fallbacks), total seconds for the whole stream (compile
 time included), and the max abs difference from eager.
 
-    python benchmarks/bench_gears.py [--modes max-autotune,reduce-overhead] [--steps-per-size 1]
+    python benchmarks/bench_gears.py [--modes max-autotune,reduce-overhead] [--skip-torch]
 """
 
 from __future__ import annotations
