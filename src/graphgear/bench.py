@@ -36,6 +36,7 @@ class BenchResult:
     median_us: float = float("nan")
     p90_us: float = float("nan")
     speedup: float = float("nan")
+    vs_torch_compile: float = float("nan")  # time ratio to torch.compile's default
     max_abs_diff: float = float("nan")
     graphs: int = 0
     error: str = ""
@@ -70,12 +71,19 @@ def run_bench(
     batch_sizes: Sequence[int] = (1,),
     steps: int = 200,
     warmup: int = 10,
+    rounds: int = 5,
     contenders: Sequence[str] = CONTENDERS,
     decoder_config: DecoderConfig | None = None,
     progress: bool = True,
     seed: int = 0,
 ) -> list[BenchResult]:
-    """Run the bench; returns one result per contender and batch size."""
+    """Run the bench; returns one result per contender and batch size.
+
+    Every contender is compiled first (for several batch sizes, graphgear builds every
+    gear up front). Then, per batch size, the timed steps run in ``rounds`` interleaved
+    chunks, the contenders' order rotating each round, so that a noisy neighbour slows
+    every contender alike instead of whichever ran at the time.
+    """
     import graphgear
     from graphgear.gears import precompile_gears
 
@@ -89,110 +97,141 @@ def run_bench(
     torch.manual_seed(seed)
     base = ToyDecoder(cfg).eval().to(dev)
     gen = torch.Generator().manual_seed(seed + 1)
+    n = warmup + steps
     streams = {
-        b: [torch.randint(0, cfg.vocab_size, (b, 1), generator=gen).to(dev) for _ in range(warmup + steps)]
+        b: [torch.randint(0, cfg.vocab_size, (b, 1), generator=gen).to(dev) for _ in range(n)]
         for b in batch_sizes
     }
-    positions = [torch.tensor([p], device=dev) for p in _positions(warmup + steps, cfg.max_seq_len)]
+    positions = [torch.tensor([p], device=dev) for p in _positions(n, cfg.max_seq_len)]
     geared = len(batch_sizes) > 1
-    total = len(contenders) * len(batch_sizes) * (warmup + steps)
     bar = None
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=total, desc="graphgear bench", unit="step", leave=False)
-    reference: dict[int, list[torch.Tensor]] = {}
-    results: list[BenchResult] = []
+        bar = tqdm(total=len(contenders) * len(batch_sizes) * n, desc="graphgear bench",
+                   unit="step", leave=False)
+
+    def tokens(name: str, b: int, i: int) -> torch.Tensor:
+        tok = streams[b][i]
+        if geared and name.startswith("graphgear"):
+            tok = tok.clone()
+            graphgear.set_dim_gears(tok, {0: sorted(batch_sizes)})
+        return tok
+
+    graphgear.reset()
+    runners: dict[str, tuple[torch.nn.Module, Callable[..., Any]]] = {}
+    results: dict[tuple[str, int], BenchResult] = {}
     for name in contenders:
-        graphgear.reset()
         model = copy.deepcopy(base)
-        compile_seconds = 0.0
+        before = len(graphgear.stats().graphs)
+        if bar is not None:
+            bar.set_description(f"compiling {name}")
         try:
             t0 = time.perf_counter()
             fn = _compile(name, model)
             if name != "eager":
-                if bar is not None:
-                    bar.set_description(f"compiling {name}")
-                first = streams[batch_sizes[0]][0].clone()
-                if geared and name.startswith("graphgear"):
-                    graphgear.set_dim_gears(first, {0: sorted(batch_sizes)})
                 with torch.no_grad():
                     if geared and name.startswith("graphgear"):
-                        precompile_gears(fn, first, positions[0], progress=progress)
-                    else:
-                        # two calls: reduce-overhead warms up on the first, captures on
-                        # the second; compile seconds include both
-                        for b in batch_sizes:
-                            for _ in range(2):
-                                fn(streams[b][0], positions[0])
+                        precompile_gears(fn, tokens(name, batch_sizes[0], 0), positions[0], progress=progress)
+                    # two calls per size: reduce-overhead warms up on the first and
+                    # captures on the second; compile seconds include both
+                    for b in batch_sizes:
+                        for _ in range(2):
+                            fn(tokens(name, b, 0), positions[0])
                 _sync(dev)
-                model.reset_cache()
-            compile_seconds = time.perf_counter() - t0
-        except Exception as e:  # report and go on with the next contender
+            seconds = time.perf_counter() - t0
+        except Exception as e:  # report it and go on with the next contender
             log.warning("graphgear bench: %s failed to compile: %s", name, e)
             for b in batch_sizes:
-                results.append(BenchResult(name, b, error=f"{type(e).__name__}: {e}"[:200]))
+                results[(name, b)] = BenchResult(name, b, error=f"{type(e).__name__}: {e}"[:200])
             if bar is not None:
-                bar.update(len(batch_sizes) * (warmup + steps))
+                bar.update(len(batch_sizes) * n)
             continue
+        graphs = sum(g.compiles for g in graphgear.stats().graphs[before:])
+        runners[name] = (model, fn)
         for b in batch_sizes:
-            if bar is not None:
-                bar.set_description(f"{name} batch {b}")
-            res = BenchResult(name, b, compile_seconds=compile_seconds)
+            results[(name, b)] = BenchResult(name, b, compile_seconds=seconds, graphs=graphs)
+
+    chunks = _chunks(warmup, n, rounds)
+    for b in batch_sizes:
+        times: dict[str, list[float]] = {name: [] for name in runners}
+        outs: dict[str, list[torch.Tensor]] = {name: [] for name in runners}
+        for model, _ in runners.values():
             model.reset_cache()
-            times: list[float] = []
-            outs: list[torch.Tensor] = []
-            try:
-                with torch.no_grad():
-                    for i, (tok, pos) in enumerate(zip(streams[b], positions)):
-                        if geared and name.startswith("graphgear"):
-                            tok = tok.clone()
-                            graphgear.set_dim_gears(tok, {0: sorted(batch_sizes)})
-                        _sync(dev)
-                        t = time.perf_counter()
-                        out = fn(tok, pos)
-                        _sync(dev)
-                        dt = time.perf_counter() - t
-                        outs.append(out.detach().float().cpu().clone())
-                        if i >= warmup:
-                            times.append(dt)
-                        if bar is not None:
-                            bar.update(1)
-            except Exception as e:
-                log.warning("graphgear bench: %s batch %d failed: %s", name, b, e)
-                res.error = f"{type(e).__name__}: {e}"[:200]
-                results.append(res)
+        for r, (lo, hi) in enumerate(chunks):
+            order = list(runners)
+            order = order[r % len(order):] + order[: r % len(order)] if order else order
+            for name in order:
+                res = results[(name, b)]
+                if res.error:
+                    continue
+                if bar is not None:
+                    bar.set_description(f"{name} batch {b}")
+                _, fn = runners[name]
+                try:
+                    with torch.no_grad():
+                        for i in range(lo, hi):
+                            tok = tokens(name, b, i)
+                            _sync(dev)
+                            t = time.perf_counter()
+                            out = fn(tok, positions[i])
+                            _sync(dev)
+                            dt = time.perf_counter() - t
+                            outs[name].append(out.detach().float().cpu().clone())
+                            if i >= warmup:
+                                times[name].append(dt)
+                except Exception as e:
+                    log.warning("graphgear bench: %s batch %d failed: %s", name, b, e)
+                    res.error = f"{type(e).__name__}: {e}"[:200]
+                if bar is not None:
+                    bar.update(hi - lo)
+        ref = outs.get("eager")
+        for name in runners:
+            res = results[(name, b)]
+            if res.error or not times[name]:
                 continue
-            res.median_us = statistics.median(times) * 1e6
-            res.p90_us = statistics.quantiles(times, n=10)[-1] * 1e6 if len(times) >= 2 else res.median_us
-            if name == "eager":
-                reference[b] = outs
-            ref = reference.get(b)
-            if ref is not None:
-                res.max_abs_diff = max(float((o - r).abs().max()) for o, r in zip(outs, ref))
-            if name.startswith("graphgear"):
-                res.graphs = sum(g.compiles for g in graphgear.stats().graphs)
-            results.append(res)
+            ts = times[name]
+            res.median_us = statistics.median(ts) * 1e6
+            res.p90_us = statistics.quantiles(ts, n=10)[-1] * 1e6 if len(ts) >= 2 else res.median_us
+            if ref is not None and len(ref) == len(outs[name]):
+                res.max_abs_diff = max(float((o - e).abs().max()) for o, e in zip(outs[name], ref))
     if bar is not None:
         bar.close()
-    eager_us = {r.batch_size: r.median_us for r in results if r.mode == "eager"}
-    for r in results:
-        if r.batch_size in eager_us and r.median_us == r.median_us:
+    ordered = [results[(name, b)] for name in contenders for b in batch_sizes]
+    eager_us = {r.batch_size: r.median_us for r in ordered if r.mode == "eager" and not r.error}
+    tc_us = {r.batch_size: r.median_us for r in ordered if r.mode == "torch.compile" and not r.error}
+    for r in ordered:
+        if r.batch_size in eager_us and not r.error:
             r.speedup = eager_us[r.batch_size] / r.median_us
-    return results
+        if r.batch_size in tc_us and not r.error:
+            r.vs_torch_compile = r.median_us / tc_us[r.batch_size]
+    return ordered
+
+
+def _chunks(warmup: int, n: int, rounds: int) -> list[tuple[int, int]]:
+    """Step ranges: the warm-up steps first, then the timed steps in ``rounds`` parts."""
+    out = [(0, warmup)] if warmup else []
+    timed = n - warmup
+    rounds = max(1, min(rounds, timed))
+    edges = [warmup + timed * k // rounds for k in range(rounds + 1)]
+    out += [(lo, hi) for lo, hi in zip(edges, edges[1:]) if hi > lo]
+    return out
 
 
 def format_table(results: Sequence[BenchResult]) -> str:
     """The results as an aligned text table."""
-    cols = ["mode", "batch", "compile s", "median us", "p90 us", "speedup", "max abs diff"]
+    cols = ["mode", "batch", "compile s", "median us", "p90 us", "speedup", "time vs torch.compile",
+            "max abs diff"]
     rows = []
     for r in results:
         if r.error:
-            rows.append([r.mode, str(r.batch_size), "-", "-", "-", "-", f"failed: {r.error}"])
+            rows.append([r.mode, str(r.batch_size), "-", "-", "-", "-", "-", f"failed: {r.error}"])
             continue
         rows.append([
             r.mode, str(r.batch_size), f"{r.compile_seconds:.1f}", f"{r.median_us:.0f}",
-            f"{r.p90_us:.0f}", f"{r.speedup:.2f}x", f"{r.max_abs_diff:.2e}",
+            f"{r.p90_us:.0f}", f"{r.speedup:.2f}x",
+            "-" if r.vs_torch_compile != r.vs_torch_compile else f"{r.vs_torch_compile:.2f}x",
+            f"{r.max_abs_diff:.2e}",
         ])
     widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths))]

@@ -44,6 +44,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     b.add_argument("--batch-sizes", type=_sizes, default=[1], help="comma-separated, e.g. 1,2,4 (gears when several)")
     b.add_argument("--steps", type=_positive, default=200, help="timed decode steps per batch size (default 200)")
     b.add_argument("--warmup", type=int, default=10, help="untimed steps first (default 10)")
+    b.add_argument("--rounds", type=_positive, default=5,
+                   help="the timed steps run in this many interleaved rounds (default 5)")
     b.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for the run")
     b.add_argument("--modes", default=None,
                    help="comma-separated subset of: eager, torch.compile, max-autotune, reduce-overhead")
@@ -77,6 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     results = run_bench(
         device=args.device, batch_sizes=args.batch_sizes, steps=args.steps, warmup=args.warmup,
+        rounds=args.rounds,
         contenders=contenders, progress=not args.no_progress,
     )
     print(f"graphgear bench: embedded decoder, device {args.device}, {args.steps} steps, "
