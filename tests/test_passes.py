@@ -310,8 +310,18 @@ def test_each_fusion_switchable_by_name(rms_kernel):
 def test_fusions_in_training_keep_gradients():
     run_decoder(eager_config(fx_passes=True), train=True)
     (entry,) = JOINT_LOG
-    assert entry["training"]
+    assert entry["training"] and entry["pre_grad"]  # fused before differentiation
     assert entry["matches"]["rotary_fusion"] == 4
+    assert entry["matches"]["attention_fusion"] == 2
+    assert entry["matches"]["rms_norm_fusion"] == 0  # no fused kernel on the CPU
+
+
+def test_fusions_in_training_rms_norm_with_a_fused_kernel(rms_kernel):
+    run_decoder(eager_config(fx_passes=True), train=True)
+    (entry,) = JOINT_LOG
+    assert entry["training"]
+    assert entry["matches"] == {"joint_remove_noops": entry["matches"]["joint_remove_noops"],
+                                "rms_norm_fusion": 5, "rotary_fusion": 4, "attention_fusion": 2}
 
 
 def test_joint_passes_dump_after_each_fusion(tmp_path, rms_kernel):
@@ -361,6 +371,44 @@ def test_fusions_do_not_fire_where_the_pattern_differs(variant, rms_kernel):
     for a, b in zip(out, ref):
         torch.testing.assert_close(a, b)
     (entry,) = JOINT_LOG
+    assert entry["matches"]["rms_norm_fusion"] == 0
+    assert entry["matches"]["rotary_fusion"] == 0
+    assert entry["matches"]["attention_fusion"] == 0
+
+
+def test_training_with_dynamic_shapes_falls_back_to_joint_passes():
+    def f(x, cos, sin):
+        h = x.shape[-1] // 2
+        return (x * cos + torch.cat((-x[..., h:], x[..., :h]), -1) * sin).sum()
+
+    x = torch.randn(2, 4, 6, 8, requires_grad=True)
+    cos, sin = torch.randn(1, 1, 6, 8), torch.randn(1, 1, 6, 8)
+    torch._dynamo.mark_dynamic(x, 0)
+    torch.compile(f, backend=graphgear.get_backend(eager_config(fx_passes=True)))(x, cos, sin).backward()
+    grad, x.grad = x.grad, None
+    f(x, cos, sin).backward()
+    torch.testing.assert_close(grad, x.grad)
+    (entry,) = JOINT_LOG
+    assert entry["training"] and not entry["pre_grad"]  # symbolic sizes: the joint graph
+    assert entry["matches"]["rotary_fusion"] == 1
+
+
+@pytest.mark.parametrize("variant", ["pow3", "dim0"])
+def test_fusions_do_not_fire_where_the_pattern_differs_in_training(variant, rms_kernel):
+    from tests.helpers import check_against_eager
+
+    def inputs():
+        g = torch.Generator().manual_seed(1)
+        x = (torch.rand(3, 16, generator=g) + 0.5).requires_grad_()  # pow3: mean stays > 0
+        return (x,
+                *(torch.randn(1, 2, 4, 16, generator=g, requires_grad=True) for _ in range(3)),
+                torch.randn(1, 1, 4, 16, generator=g), torch.randn(1, 1, 4, 16, generator=g))
+
+    cfg = eager_config(fx_passes=True)
+    check_against_eager(Block(variant), inputs,
+                        lambda m: torch.compile(m, backend=graphgear.get_backend(cfg)),
+                        train=True, steps=1)
+    (entry,) = [e for e in JOINT_LOG if e["training"]][:1]
     assert entry["matches"]["rms_norm_fusion"] == 0
     assert entry["matches"]["rotary_fusion"] == 0
     assert entry["matches"]["attention_fusion"] == 0
@@ -457,11 +505,55 @@ def test_gpt2_inference_fusions():
     print(f"gpt2 inference: {entry['matches']} nodes {entry['nodes_before']} -> {entry['nodes_after']}")
 
 
+def _hf_train_check(model: nn.Module, cfg: graphgear.CompilerConfig) -> list[set]:
+    """Two training steps against eager (outputs, every gradient); returns the op targets
+    of each compiled graph (forward, backward) after the passes."""
+    from tests.helpers import check_against_eager
+
+    seen: list[set] = []
+
+    def spy(gm, example_inputs, config):
+        seen.append({n.target for n in gm.graph.nodes if n.op == "call_function"})
+
+    cfg.experimental_config.post_grad_custom_post_pass = spy
+    model.train()
+    check_against_eager(model, lambda: [torch.randint(0, 128, (2, 8))],
+                        lambda m: torch.compile(m, backend=graphgear.get_backend(cfg)),
+                        train=True, loss_fn=lambda out: out.logits.square().mean())
+    return seen
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("which", ["llama", "gpt2"])
-def test_hf_training_with_fusions_keeps_gradients(which):
+def test_hf_training_with_fusions_keeps_gradients(which, rms_kernel):
     model = _llama() if which == "llama" else _gpt2()
-    _run_hf(model, eager_config(fx_passes=True), train=True)
+    seen = _hf_train_check(model, eager_config(fx_passes=True))
     (entry,) = JOINT_LOG
-    assert entry["training"]
-    print(f"{which} training: {entry['matches']} nodes {entry['nodes_before']} -> {entry['nodes_after']}")
+    assert entry["training"] and entry["pre_grad"]
+    m = entry["matches"]
+    if which == "llama":
+        assert (m["rms_norm_fusion"], m["rotary_fusion"], m["attention_fusion"]) == (5, 4, 2), m
+        assert any(torch.ops.graphgear.rotary_rotate_half.default in s for s in seen)
+    else:
+        assert (m["rms_norm_fusion"], m["rotary_fusion"], m["attention_fusion"]) == (0, 0, 2), m
+    # the forward and the backward run the fused attention, not softmax
+    assert len(seen) == 2
+    for targets in seen:
+        assert aten._softmax.default not in targets and aten._softmax_backward_data.default not in targets
+    print(f"{which} training: {m} nodes {entry['nodes_before']} -> {entry['nodes_after']}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["llama", "gpt2"])
+def test_hf_training_with_fusions_max_autotune(which, rms_kernel):
+    cfg = graphgear.CompilerConfig()
+    cfg.experimental_config.fx_passes = True
+    model = _llama() if which == "llama" else _gpt2()
+    _hf_train_check(model, cfg)
+    (entry,) = JOINT_LOG
+    m = entry["matches"]
+    # attention stays Inductor's on the CPU (measured faster than the SDPA kernel there)
+    if which == "llama":
+        assert (m["rms_norm_fusion"], m["rotary_fusion"], m["attention_fusion"]) == (5, 4, 0), m
+    else:
+        assert (m["rms_norm_fusion"], m["rotary_fusion"], m["attention_fusion"]) == (0, 0, 0), m

@@ -8,7 +8,10 @@ For each graph dynamo hands over, :class:`GraphgearBackend`:
    ``experimental_config.fx_passes`` is on);
 3. wraps the forward and inference compilers in the gear guard (:func:`_set_gear_to_compiler`);
 4. picks the partition function (:func:`_get_partition_fn`);
-5. calls ``aot_module_simplified`` with the compilers, the partition function, the merged
+5. for training graphs with ``fx_passes`` on, runs the fusions on the forward graph before
+   differentiation (:func:`graphgear.passes.joint.pre_grad_fusions`), so the fused ops
+   bring their own backward;
+6. calls ``aot_module_simplified`` with the compilers, the partition function, the merged
    decompositions and ``keep_inference_input_mutations``.
 """
 
@@ -29,7 +32,7 @@ from .config import CompilerConfig, apply_options
 from .errors import ConfigError, GraphgearError
 from .gears import guard_gears_shape, set_dim_gears
 from .inputs import GraphInputs
-from .passes.joint import joint_graph_passes
+from .passes.joint import joint_graph_passes, pre_grad_fusions
 
 log = logging.getLogger(__name__)
 
@@ -81,14 +84,14 @@ def _set_gear_to_compiler(
     return gear_compiler
 
 
-def _get_partition_fn(config: CompilerConfig) -> Callable[..., Any]:
+def _get_partition_fn(config: CompilerConfig, pre_grad_done: bool = False) -> Callable[..., Any]:
     from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 
     # max-autotune partitions as Inductor does: Inductor's backward compile of a
     # default_partition graph gave wrong gradients on the toy decoder (KV-cache writes)
     base = min_cut_rematerialization_partition if mode_of(config) == "max-autotune" else default_partition
-    if not config.experimental_config.fx_passes:
-        return base
+    if not config.experimental_config.fx_passes or pre_grad_done:
+        return base  # pre_grad_done: the fusions ran before differentiation
 
     def partition_fn(graph: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
         joint_graph_passes(graph, joint_inputs, config)
@@ -205,13 +208,17 @@ class GraphgearBackend:
         )
         decompositions = default_decompositions(config)
         decompositions.update(self.custom_decompositions)
+        # training: fuse the forward before AOTAutograd differentiates it, so the fused
+        # ops bring their own backward (the joint graph rarely shows the patterns whole)
+        fused = pre_grad_fusions(gm, example_inputs, config)
+        gm = fused if fused is not None else gm
         return _aot_module_simplified(
             gm,
             example_inputs,
             fw_compiler=fw_compiler,
             bw_compiler=joint_compiler,
             inference_compiler=inference_compiler,
-            partition_fn=_get_partition_fn(config),
+            partition_fn=_get_partition_fn(config, pre_grad_done=fused is not None),
             decompositions=decompositions,
             keep_inference_input_mutations=config.experimental_config.keep_inference_input_mutations,
         )

@@ -16,9 +16,12 @@ op, only where the fused op computes what the pattern computes:
   (max-autotune, reduce-overhead's CPU graph) its attention was measured faster than
   the CPU SDPA kernel on the decoder step.
 
-In a joint graph the patterns are traced forward and backward together, so a match
-replaces the op and its gradient; a forward-only match whose intermediates the
-backward reads is refused by the matcher. Every pass is a :class:`GraphPass`, run by a
+Training graphs are fused before AOTAutograd differentiates them
+(:func:`pre_grad_fusions`): the forward patterns are rewritten to the fused ops, whose
+autograd formulas give the backward. (In a joint graph autograd interleaves other
+gradients, such as the residual's, into the pattern's backward, so the traced
+forward+backward patterns rarely appear; they remain the fallback for graphs the
+pre-grad stage does not handle, such as dynamic shapes.) Every pass is a :class:`GraphPass`, run by a
 :class:`PassManager` (timed, dumped, switchable).
 """
 
@@ -40,7 +43,7 @@ log = logging.getLogger(__name__)
 
 aten = torch.ops.aten
 
-__all__ = ["JOINT_LOG", "joint_graph_passes", "joint_pass_manager"]
+__all__ = ["JOINT_LOG", "joint_graph_passes", "joint_pass_manager", "pre_grad_fusions"]
 
 # one entry per call of joint_graph_passes: what each pass found (tests, benchmarks);
 # the latest _JOINT_LOG_MAX are kept
@@ -319,6 +322,11 @@ def builtin_patterns() -> PatternSet:
     return ps
 
 
+def _kind_of(gm: fx.GraphModule, config: Any) -> str:
+    """A pre-grad graph is traced without decompositions, whatever the mode."""
+    return "aten" if gm.meta.get("graphgear_pre_grad") else decomp_kind(config)
+
+
 def _is_joint(gm: fx.GraphModule) -> bool:
     return any(p.name.startswith("tangents") for p in gm.graph.find_nodes(op="placeholder"))
 
@@ -331,7 +339,7 @@ class _FusionPass(GraphPass):
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], config: Any) -> int:
         group = self.group + ("_training" if _is_joint(gm) else "")
-        _KIND["kind"] = decomp_kind(config)
+        _KIND["kind"] = _kind_of(gm, config)
         n = builtin_patterns().apply(gm, _KIND["kind"], [group])[group]
         if n:
             from torch._inductor.pattern_matcher import stable_topological_sort
@@ -367,7 +375,7 @@ class AttentionFusion(_FusionPass):
         # graph), its attention beats the CPU SDPA kernel on the decoder step
         # (benchmarks/bench_passes.py): on the CPU only run_eagerly gets SDPA.
         _KIND["skip_devices"] = () if mode_of(config) == "eager" else ("cpu",)
-        if decomp_kind(config) == "aten" and not _is_joint(gm):
+        if _kind_of(gm, config) == "aten" and not _is_joint(gm):
             from .attention import fuse_attention
 
             return fuse_attention(gm, skip_devices=_KIND["skip_devices"])
@@ -395,17 +403,23 @@ def joint_pass_manager() -> PassManager:
     return PassManager([NormalizeNoops(), RMSNormFusion(), RotaryFusion(), AttentionFusion()])
 
 
-def joint_graph_passes(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Any) -> int:
-    """Run the joint-graph fusion passes on ``gm`` in place; returns the number of rewrites."""
+def joint_graph_passes(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Any,
+                       training: bool | None = None) -> int:
+    """Run the joint-graph fusion passes on ``gm`` in place; returns the number of rewrites.
+    ``training``: a forward graph about to be differentiated (:func:`pre_grad_fusions`),
+    searched with the forward patterns without decompositions (logged as training)."""
     if not config.experimental_config.fx_passes:
         return 0
     t0 = time.perf_counter()
+    if training:
+        gm.meta["graphgear_pre_grad"] = True
     before = sum(1 for n in gm.graph.nodes if n.op == "call_function")
     counts: dict[str, int] = {}
     joint_pass_manager().run(gm, example_inputs, config, counts=counts, dump_name="joint")
     after = sum(1 for n in gm.graph.nodes if n.op == "call_function")
     rewrites = sum(v for k, v in counts.items() if k != NormalizeNoops.name)
-    entry = {"training": _is_joint(gm), "kind": decomp_kind(config), "matches": counts,
+    entry = {"training": bool(training) or _is_joint(gm), "kind": _kind_of(gm, config),
+             "pre_grad": bool(training), "matches": counts,
              "nodes_before": before, "nodes_after": after, "seconds": time.perf_counter() - t0}
     JOINT_LOG.append(entry)
     del JOINT_LOG[:-_JOINT_LOG_MAX]
@@ -415,3 +429,72 @@ def joint_graph_passes(gm: fx.GraphModule, example_inputs: Sequence[Any], config
              after, entry["seconds"])
     return rewrites
 
+
+
+# ---------------------------------------------------------------- training: before autograd
+
+
+def _needs_grad(example_inputs: Sequence[Any]) -> bool:
+    return torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs)
+
+
+def pre_grad_fusions(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Any) -> fx.GraphModule | None:
+    """Training graphs: the fusions on the forward graph, before AOTAutograd differentiates it.
+
+    In a joint graph autograd interleaves other gradients (the residual's) into the
+    pattern's backward, so the traced forward+backward patterns rarely appear. Here the
+    dynamo graph is traced to a functional aten graph (no decompositions), the forward
+    patterns are rewritten to the fused ops (each has an autograd formula), and the
+    result is what AOTAutograd traces: fused forward and backward. Returns the graph for
+    AOTAutograd (the rewritten one, or ``gm`` itself where nothing matched), or None where
+    the graph is not one this handles (inference, dynamic shapes, non-tensor inputs,
+    parameters held as attributes, a trace failure): the joint-graph passes then run as
+    before.
+    """
+    if not config.experimental_config.fx_passes or not _needs_grad(example_inputs):
+        return None
+    if not all(isinstance(t, torch.Tensor) for t in example_inputs):
+        return None
+    if any(True for _ in gm.parameters()) or any(True for _ in gm.buffers()):
+        return None  # make_fx would turn them into constants: no gradients, lost writes
+    from torch._guards import detect_fake_mode
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols, is_concrete_int
+
+    fake_mode = detect_fake_mode(example_inputs)
+    try:
+        if fake_mode is None:
+            from torch._subclasses import FakeTensorMode
+
+            fake_mode = FakeTensorMode()
+        fakes = [fake_mode.from_tensor(t) if not isinstance(t, torch._subclasses.FakeTensor) else t
+                 for t in example_inputs]
+        if any(not all(is_concrete_int(s) for s in (*t.shape, *t.stride())) or free_unbacked_symbols(t)
+               for t in fakes):
+            return None  # symbolic shapes: left to the joint passes
+        with fake_mode, torch.no_grad():
+            traced = make_fx(torch.func.functionalize(gm, remove="mutations"),
+                             tracing_mode="real")(*fakes)
+    except Exception as e:  # noqa: BLE001 - any trace failure leaves the graph as it is
+        log.debug("graphgear: pre-grad fusions skipped, trace failed: %s", e)
+        return None
+    old = list(gm.graph.find_nodes(op="placeholder"))
+    new = list(traced.graph.find_nodes(op="placeholder"))
+    if len(old) != len(new):
+        return None
+    for o, n in zip(old, new):  # dynamo's input metadata (static inputs, sources) for AOT
+        val = n.meta.get("val")
+        n.meta.update(o.meta)
+        if val is not None:
+            n.meta["val"] = val
+    traced.meta.update(gm.meta)
+    rewrites = joint_graph_passes(traced, fakes, config, training=True)
+    if not rewrites:
+        return gm
+    for n in traced.graph.nodes:  # AOTAutograd joins the stack traces it finds
+        if "stack_trace" in n.meta and not isinstance(n.meta["stack_trace"], str):
+            del n.meta["stack_trace"]
+    traced.graph.eliminate_dead_code()
+    traced.recompile()
+    return traced
