@@ -233,11 +233,9 @@ def format_table(results: Sequence[BenchResult]) -> str:
             "-" if r.vs_torch_compile != r.vs_torch_compile else f"{r.vs_torch_compile:.2f}x",
             f"{r.max_abs_diff:.2e}",
         ])
-    widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths))]
-    lines.append("  ".join("-" * w for w in widths))
-    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in rows]
-    return "\n".join(lines)
+    from .debug import text_table
+
+    return text_table(cols, rows)
 
 
 def write_json(results: Sequence[BenchResult], path: str, meta: dict[str, Any]) -> None:

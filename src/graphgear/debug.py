@@ -22,6 +22,7 @@ import itertools
 import logging
 import os
 import threading
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -41,16 +42,21 @@ def _next_seq() -> int:
         return next(_seq)
 
 
+def text_table(header: Sequence[str], rows: Sequence[Sequence[str]], *, rule: bool = True) -> str:
+    """Left-aligned columns two spaces apart; ``rule`` draws dashes under the header."""
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths))]
+    if rule:
+        lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in rows]
+    return "\n".join(lines)
+
+
 def tabular(graph: fx.Graph) -> str:
     """``Graph.print_tabular``'s table as a string, without the ``tabulate`` package."""
     header = ["opcode", "name", "target", "args", "kwargs"]
     rows = [[n.op, n.name, _target_name(n.target), str(n.args), str(n.kwargs)] for n in graph.nodes]
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
-              for i, h in enumerate(header)]
-    sep = "  ".join("-" * w for w in widths)
-    out = ["  ".join(h.ljust(w) for h, w in zip(header, widths)), sep]
-    out += ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in rows]
-    return "\n".join(out) + "\n"
+    return text_table(header, rows) + "\n"
 
 
 def _target_name(target: object) -> str:

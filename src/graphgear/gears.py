@@ -321,34 +321,26 @@ class GearedGraph:
     def _run_padded(self, args: Sequence[Any], key: tuple[int, ...], target: tuple[int, ...]) -> Any:
         info = self.info
         grow = {i: (key[i], target[i]) for i in range(len(key)) if key[i] != target[i]}
+        size = info.size_at(target)
         new_args = list(args)
-        padded: dict[int, list[tuple[int, int]]] = {}
+        padded: list[int] = []
         for j, v in enumerate(info.vals):
             a = args[j]
             if isinstance(v, torch.SymInt):
-                for i, sym in enumerate(info.symbols):
-                    if i in grow and v.node.expr == sym:
-                        new_args[j] = grow[i][1]
+                new_args[j] = size(v)
             elif isinstance(v, torch.Tensor) and isinstance(a, torch.Tensor):
-                dims = []
-                for d, s in enumerate(v.shape):
-                    if isinstance(s, torch.SymInt):
-                        for i in grow:
-                            if s.node.expr == info.symbols[i]:
-                                dims.append((d, i))
-                if dims:
-                    shape = list(a.shape)
-                    for d, i in dims:
-                        shape[d] = grow[i][1]
-                    p = self._pad_buffers.get((j, target))
-                    if p is None or list(p.shape) != shape or p.dtype != a.dtype or p.device != a.device:
-                        p = a.new_zeros(shape)
-                        self._pad_buffers[(j, target)] = p
-                    else:
-                        p.zero_()
-                    p[tuple(slice(0, n) for n in a.shape)] = a
-                    new_args[j] = p
-                    padded[j] = dims
+                shape = info.shape_at(j, target)
+                if shape == list(a.shape):
+                    continue
+                p = self._pad_buffers.get((j, target))
+                if p is None or list(p.shape) != shape or p.dtype != a.dtype or p.device != a.device:
+                    p = a.new_zeros(shape)
+                    self._pad_buffers[(j, target)] = p
+                else:
+                    p.zero_()
+                p[tuple(slice(0, n) for n in a.shape)] = a
+                new_args[j] = p
+                padded.append(j)
         out = self._get(target)(*new_args)
         for j in padded:
             if j in self.mutated:  # write the real rows back into the caller's tensor
@@ -395,17 +387,14 @@ class GearedGraph:
 
 def _resize_args(info: ShapeInfo, args: Sequence[Any], key: Sequence[int]) -> list[Any]:
     """``args`` with every symbolic size set to ``key`` (zero-padded or narrowed)."""
-    bind = dict(zip(info.symbols, key))
+    size = info.size_at(key)
     out = list(args)
     for j, v in enumerate(info.vals):
         a = args[j]
         if isinstance(v, torch.SymInt):
-            out[j] = int(v.node.expr.xreplace(bind))
-        elif isinstance(v, torch.Tensor) and isinstance(a, torch.Tensor) and any(
-            isinstance(s, torch.SymInt) for s in v.shape
-        ):
-            shape = [int(s.node.expr.xreplace(bind)) if isinstance(s, torch.SymInt) else int(s)
-                     for s in v.shape]
+            out[j] = size(v)
+        elif isinstance(v, torch.Tensor) and isinstance(a, torch.Tensor):
+            shape = info.shape_at(j, key)
             if shape == list(a.shape):
                 continue
             t = a.new_zeros(shape)

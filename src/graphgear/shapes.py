@@ -11,7 +11,7 @@ one static graph per key.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import sympy
@@ -73,17 +73,32 @@ class ShapeInfo:
                 return expr
         return None
 
-    def concrete(self, key: Sequence[int]) -> list[Any]:
-        """Example arguments (fake tensors in a new fake mode, or ints) at ``key``."""
-        from torch._subclasses.fake_tensor import FakeTensorMode
-        from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
+    def size_at(self, key: Sequence[int]) -> Callable[[Any], int]:
+        """A function giving the concrete value, at ``key``, of a size, stride or SymInt
+        of this graph's placeholders."""
         bind = dict(zip(self.symbols, key))
 
         def ev(x: Any) -> int:
             if isinstance(x, torch.SymInt):
                 return int(x.node.expr.xreplace(bind))
             return int(x)
+
+        return ev
+
+    def shape_at(self, arg: int, key: Sequence[int]) -> list[int] | None:
+        """The concrete shape of placeholder ``arg`` at ``key`` (None if not a tensor)."""
+        v = self.vals[arg]
+        if not isinstance(v, torch.Tensor):
+            return None
+        ev = self.size_at(key)
+        return [ev(s) for s in v.shape]
+
+    def concrete(self, key: Sequence[int]) -> list[Any]:
+        """Example arguments (fake tensors in a new fake mode, or ints) at ``key``."""
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+        ev = self.size_at(key)
 
         # a shape env (with nothing symbolic in it) lets Inductor use its FX graph cache
         mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())

@@ -70,13 +70,10 @@ class Stats:
              f"{g.compile_seconds:.3f}", str(g.pool_bytes)]
             for g in self.graphs
         ]
-        widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c)
-                  for i, c in enumerate(cols)]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths))]
-        lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in rows]
-        if not rows:
-            lines.append("(no graphs compiled)")
-        return "\n".join(lines)
+        from .debug import text_table
+
+        table = text_table(cols, rows, rule=False)
+        return table if rows else table + "\n(no graphs compiled)"
 
     __repr__ = __str__
 
