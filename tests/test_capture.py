@@ -108,7 +108,7 @@ def test_user_inputs_copied_into_static_buffers() -> None:
 
 
 @torch.no_grad()
-def test_clone_input_false_binds_inputs_and_recaptures_when_they_move() -> None:
+def test_clone_input_false_binds_inputs_and_rebinds_when_they_move() -> None:
     net = Net()
     f = torch.compile(net, backend=_ro(warmup_iters=0, clone_input=False))
     x = torch.randn(2, 8)
@@ -116,9 +116,10 @@ def test_clone_input_false_binds_inputs_and_recaptures_when_they_move() -> None:
     x.copy_(torch.randn(2, 8))  # same address: replayed in place, no copy
     torch.testing.assert_close(f(x), net(x))
     assert (_rec().captures, _rec().replays) == (1, 1)
-    y = torch.randn(2, 8)  # a new address: captured again
+    y = torch.randn(2, 8)  # a new address: the CPU graph rebinds it (no new capture)
     torch.testing.assert_close(f(y), net(y))
-    assert _rec().captures == 2
+    torch.testing.assert_close(f(x), net(x))
+    assert (_rec().captures, _rec().rebinds, _rec().replays) == (1, 2, 3)
 
 
 @torch.no_grad()
@@ -156,7 +157,7 @@ def test_moved_parameter_recaptures_unless_frozen(frozen: bool) -> None:
 
 
 @torch.no_grad()
-def test_mutated_input_used_in_place_and_recaptured_when_it_moves() -> None:
+def test_mutated_input_used_in_place_and_rebound_when_it_moves() -> None:
     torch.manual_seed(0)
     net, ref = Cache(), Cache()
     ref.load_state_dict(net.state_dict())
@@ -169,12 +170,13 @@ def test_mutated_input_used_in_place_and_recaptured_when_it_moves() -> None:
     assert eng.mutated_idx and not set(eng.mutated_idx) & set(eng.copy_idx)
     r = _rec()
     assert (r.uncaptured_runs, r.captures, r.replays) == (1, 1, 2)
-    net.cache = torch.zeros(4, 8)  # the cache moves: captured again, same results
+    net.cache = torch.zeros(4, 8)  # the cache moves: rebound (no new capture), same results
     ref.cache = torch.zeros(4, 8)
     x = torch.randn(1, 8)
     torch.testing.assert_close(f(x, torch.tensor([1])), ref(x, torch.tensor([1])))
     torch.testing.assert_close(net.cache, ref.cache)
-    assert sum(g.captures for g in graphgear.stats().graphs) == 2
+    assert sum(g.captures for g in graphgear.stats().graphs) == 1
+    assert sum(g.rebinds for g in graphgear.stats().graphs) == 1
 
 
 @torch.no_grad()
@@ -539,13 +541,14 @@ def _fake_cuda_graph_class() -> type:
         def _graph_ctx(self, graph: _FakeGraph, pool: object, stream: object) -> object:
             @contextlib.contextmanager
             def ctx():  # type: ignore[no-untyped-def]
-                saved = {i: self.args[i].clone() for i in self.mutated_idx}
+                args = list(self.args)  # a real graph holds the addresses, not the tensors
+                saved = {i: args[i].clone() for i in self.mutated_idx}
                 yield
                 for i, t in saved.items():
-                    self.args[i].copy_(t)
+                    args[i].copy_(t)
 
                 def replay() -> None:
-                    new = self._run(list(self.args))  # type: ignore[misc]
+                    new = self.run(list(args))
                     for o, n in zip(self.outputs, new):
                         o.copy_(n)
 

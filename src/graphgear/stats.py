@@ -39,6 +39,7 @@ class GraphRecord:
     pool_bytes: int = 0
     passes: dict[str, int] = dataclasses.field(default_factory=dict)
     uncaptured_runs: int = 0
+    rebinds: int = 0  # replays with an input used in place rebound (a new KV cache)
 
     def add_fallback(self, op: str, reason: str) -> None:
         if (op, reason) not in self.fallbacks:

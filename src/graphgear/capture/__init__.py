@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from torch import fx
 
 from ..errors import CaptureError
-from .engine import CaptureEngine, UncapturedGraph, _warn, find_uncapturable, graph_device
+from .engine import CaptureEngine, UncapturedGraph, find_uncapturable, graph_device, warn
 from .pool import MemoryPool
 
 if TYPE_CHECKING:
@@ -44,7 +44,7 @@ def compile_reduce_overhead(
                 f"{device.type} graph: {listing}. capture_config.fallback='raise' forbids running "
                 f"it uncaptured; set fallback='eager', or move the op out of the compiled region."
             )
-        _warn(
+        warn(
             f"graphgear: {ctx.record.name} ({ctx.stage}) cannot be captured into a {device.type} "
             f"graph ({listing}); it runs uncaptured (fallback='eager'). Move the op out of the "
             f"compiled region to capture the rest, or set fallback='raise' to make this an error."

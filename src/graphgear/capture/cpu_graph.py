@@ -14,14 +14,23 @@ PyTorch has no CPU graph. graphgear's works like a device graph:
   a static output buffer, so every output lives in pool memory and is overwritten by
   the next replay, exactly as on a device.
 
-The compiled code is cached on disk by Inductor (``TORCHINDUCTOR_CACHE_DIR``), so a
-second process captures in about a second. When Inductor cannot compile a graph the
+The generated code takes every buffer as an argument, so an input the graph mutates in
+place (a KV cache) that moved is *rebound* (:meth:`CPUGraph.rebind`): no new record, no
+new compile. The code is compiled once per static graph (:class:`CPUExecutor`, shared by
+every capture of it, also across threads) and cached on disk by Inductor
+(``TORCHINDUCTOR_CACHE_DIR``), so a second process captures in about a second.
+
+The record replaces the allocator of Inductor's generated module through a thread-local
+switch installed once in that module (:func:`_allocator_switch`): concurrent replays in
+different threads, and other users of the same generated module, never see each other's
+record. When Inductor cannot compile a graph the
 CPU graph records the FX graph itself (same memory rules, no speed-up) and says so.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,13 +41,13 @@ from .pool import MemoryPool
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CPUGraph", "compile_static"]
+__all__ = ["CPUExecutor", "CPUGraph", "compile_static"]
 
 # Inductor's name for the allocator in its generated Python wrapper.
 _ALLOC_NAMES = ("empty_strided_cpu",)
 
 
-def _nbytes(size: Sequence[int], stride: Sequence[int], dtype: torch.dtype) -> int:
+def nbytes_of(size: Sequence[int], stride: Sequence[int], dtype: torch.dtype) -> int:
     if any(s == 0 for s in size):
         return 0
     span = 1 + sum((s - 1) * st for s, st in zip(size, stride))
@@ -108,56 +117,84 @@ def _wrapper_globals(compiled: Any) -> dict[str, Any] | None:
     return None
 
 
+_SWITCH_LOCK = threading.Lock()
+
+
+def _allocator_switch(g: dict[str, Any], name: str) -> threading.local:
+    """Install (once per generated module) an allocator that asks a thread-local slot
+    first: ``slot.fn`` set means "this thread is recording or replaying a CPU graph",
+    unset means Inductor's own allocator. Returns the slot."""
+    with _SWITCH_LOCK:
+        cur = g[name]
+        slot = getattr(cur, "graphgear_slot", None)
+        if slot is not None:
+            return slot
+        slot = threading.local()
+        original = cur
+
+        def alloc(size: Sequence[int], stride: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+            fn = getattr(slot, "fn", None)
+            if fn is None:
+                return original(size, stride, dtype)
+            return fn(size, stride, dtype)
+
+        alloc.graphgear_slot = slot  # type: ignore[attr-defined]
+        g[name] = alloc
+        return slot
+
+
+class CPUExecutor:
+    """The compiled code of one static graph, shared by all its captures: Inductor's
+    generated ``call`` (or the FX graph where Inductor cannot compile it) and the
+    thread-local allocator slot of its module."""
+
+    def __init__(self, gm: fx.GraphModule, args: Sequence[Any], *, stage: str,
+                 static_idx: Sequence[int], name: str) -> None:
+        self.native = False
+        self.slot: threading.local | None = None
+        try:
+            compiled = compile_static(gm, args, stage=stage, static_idx=static_idx)
+            g = _wrapper_globals(compiled)
+        except Exception as e:  # Inductor could not compile it: record the FX graph
+            log.warning(
+                "graphgear: %s: Inductor could not compile this graph for the CPU graph "
+                "(%s: %s); capturing the FX graph itself (same memory rules, no speed-up).",
+                name, type(e).__name__, e,
+            )
+            compiled, g = None, None
+        if compiled is not None:
+            self.native = True
+            self.run: Callable[[list[Any]], Any] = getattr(compiled, "current_callable", None) or compiled
+            if g is not None:
+                self.slot = _allocator_switch(g, next(n for n in _ALLOC_NAMES if n in g))
+        else:
+            self.run = lambda a: gm(*a)
+
+
 class CPUGraph:
     """One captured static graph on the CPU (see the module docstring)."""
 
     device = torch.device("cpu")
+    #: capture runs the graph for real (inputs it mutates are written)
+    runs_at_capture = True
+    #: a moved input bound in place is rebound, not captured again
+    rebindable = True
 
-    def __init__(self, gm: fx.GraphModule, *, stage: str, static_idx: Sequence[int],
-                 pool: MemoryPool, name: str) -> None:
-        self.gm = gm
-        self.stage = stage
-        self.static_idx = list(static_idx)
+    def __init__(self, executor: CPUExecutor, *, pool: MemoryPool, name: str) -> None:
+        self.executor = executor
         self.pool = pool
         self.name = name
         self.args: list[Any] = []
         self.record: list[torch.Tensor] = []
-        self.native = False
-        self._run: Callable[[list[Any]], Any] | None = None
-        self._globals: dict[str, Any] | None = None
-        self._alloc_name = ""
+        self.native = executor.native
         self._out_copy: list[tuple[int, torch.Tensor]] = []
         self.nbytes = 0
 
     # ---- capture -------------------------------------------------------------------
     def capture(self, args: list[Any]) -> list[Any]:
-        """Compile, bind ``args`` (static buffers and static inputs) and run once while
-        recording allocations; returns this run's (static) outputs."""
+        """Bind ``args`` (static buffers and static inputs) and run once while recording
+        allocations; returns this run's (static) outputs."""
         self.args = args
-        try:
-            compiled = compile_static(self.gm, args, stage=self.stage, static_idx=self.static_idx)
-            g = _wrapper_globals(compiled)
-            self.native = True
-        except Exception as e:  # Inductor could not compile it: record the FX graph
-            log.warning(
-                "graphgear: %s: Inductor could not compile this graph for the CPU graph "
-                "(%s: %s); capturing the FX graph itself (same memory rules, no speed-up).",
-                self.name, type(e).__name__, e,
-            )
-            compiled, g = None, None
-        if compiled is not None:
-            fn = compiled.current_callable if getattr(compiled, "current_callable", None) else compiled
-            self._run = fn
-        else:
-            gm = self.gm
-
-            def run_fx(a: list[Any]) -> Any:
-                return gm(*a)
-
-            self._run = run_fx
-        self._globals = g
-        if g is not None:
-            self._alloc_name = next(n for n in _ALLOC_NAMES if n in g)
         outs = self._record_run()
         # outputs the generated code did not allocate from the pool: static copies
         pool_ptrs = {t.untyped_storage().data_ptr() for t in self.record}
@@ -172,56 +209,56 @@ class CPUGraph:
                 continue
             static = torch.empty_strided(o.size(), o.stride(), dtype=o.dtype, device=o.device)
             static.copy_(o)
-            self.nbytes += _nbytes(o.size(), o.stride(), o.dtype)
+            self.nbytes += nbytes_of(o.size(), o.stride(), o.dtype)
             self._out_copy.append((i, static))
             result[i] = static
         return result
 
     def _record_run(self) -> list[Any]:
-        g = self._globals
-        assert self._run is not None
-        if g is None:
-            return list(self._run(list(self.args)))
-        original = g[self._alloc_name]
+        ex = self.executor
+        slot = ex.slot
+        if slot is None:
+            return list(ex.run(list(self.args)))
         self.record = []
         pool, record = self.pool, self.record
 
         def recording_alloc(size: Sequence[int], stride: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-            n = _nbytes(size, stride, dtype)
+            n = nbytes_of(size, stride, dtype)
             blk = pool.block(len(record), n, self.device)
             t = torch.empty((), dtype=dtype).set_(blk, 0, tuple(size), tuple(stride))
             pool.register(len(record), t)
             record.append(t)
             return t
 
-        g[self._alloc_name] = recording_alloc
+        slot.fn = recording_alloc
         try:
-            outs = list(self._run(list(self.args)))
+            outs = list(ex.run(list(self.args)))
         finally:
-            g[self._alloc_name] = original
-        self.nbytes += sum(_nbytes(t.size(), t.stride(), t.dtype) for t in record)
+            slot.fn = None
+        self.nbytes += sum(nbytes_of(t.size(), t.stride(), t.dtype) for t in record)
         return outs
+
+    def rebind(self, i: int, t: torch.Tensor) -> None:
+        """Bind argument ``i`` to ``t`` (same size and strides) from the next replay on."""
+        self.args[i] = t
 
     # ---- replay --------------------------------------------------------------------
     def replay(self) -> list[Any]:
         """Run the record on the static buffers; returns the static outputs."""
-        g = self._globals
-        run = self._run
-        assert run is not None
-        if g is None:
-            outs = list(run(list(self.args)))
+        ex = self.executor
+        slot = ex.slot
+        if slot is None:
+            outs = list(ex.run(list(self.args)))
         else:
             it = iter(self.record)
             nxt = it.__next__
-            name = self._alloc_name
-            original = g[name]
-            g[name] = lambda size, stride, dtype: nxt()
+            slot.fn = lambda size, stride, dtype: nxt()
             try:
-                outs = list(run(list(self.args)))
+                outs = list(ex.run(list(self.args)))
             except StopIteration as e:
                 raise RuntimeError(self._diverged()) from e
             finally:
-                g[name] = original
+                slot.fn = None
             if next(it, None) is not None:
                 raise RuntimeError(self._diverged())
         for i, static in self._out_copy:
@@ -239,5 +276,3 @@ class CPUGraph:
         self.args = []
         self.record = []
         self._out_copy = []
-        self._run = None
-        self._globals = None

@@ -7,25 +7,38 @@ captured graphs of that graph and applies the rules of DESIGN.md:
 * **key**: the graph key (fixed per engine) plus, unless ``frozen_parameter``, the
   addresses of the static inputs: a parameter that moved gets a capture of its own.
 * **static inputs** (parameters, buffers, ``mark_static_address``) are bound at capture
-  and never copied. **Mutated inputs** (KV caches) are used in place, never copied; when
-  one moves, that capture is made again. **Other inputs** are copied into the capture's
-  static buffers before each replay (``clone_input``; with ``clone_input=False`` they are
-  bound in place like mutated inputs and a moved one is captured again).
+  and never copied. **Mutated inputs** (KV caches) are used in place, never copied. When
+  one moves (a new cache), the CPU graph rebinds it (no new record, no compile); a CUDA
+  or NPU graph, whose addresses are baked in, gets a capture of its own for that address
+  (the compiled code is reused: no re-trace, no recompile), and a capture whose bound
+  inputs have died is released with its memory. **Other inputs** are copied into the
+  capture's static buffers before each replay (``clone_input``; with
+  ``clone_input=False`` they are bound in place like mutated inputs). An input that is a
+  live output of this pool (an output fed back in) is copied first.
+* **threads**: each thread has its own captures and its own memory (an arena of the
+  pool), so a replay in one thread never overwrites another thread's outputs.
 * **warm-up**: ``warmup_iters`` uncaptured runs per capture before it is captured.
-* **capture_limit**: at most that many captures per FX graph (all keys together); past
-  it, new keys run uncaptured, with one warning and a ``stats()`` fallback entry.
+* **capture_limit**: at most that many live captures per FX graph (all keys and threads
+  together), checked when a capture is about to be made; past it, new keys run
+  uncaptured, with one warning and a ``stats()`` fallback entry.
 * **outputs** live in the pool and are overwritten by the next replay in that pool;
-  each is handed out through an alias that the next replay poisons, so reading a stale
-  output raises ``RuntimeError`` naming the fix. ``clone_output`` returns fresh tensors
-  (always done for training graphs, whose outputs are saved for backward or become
-  gradients, and outlive the next replay).
+  each is handed out through an alias whose storage the next replay in that memory
+  poisons, so reading a stale output, or any view of it, raises ``RuntimeError`` naming
+  the fix (``liveness``). ``clone_output`` returns fresh tensors (always done for
+  training graphs, whose outputs are saved for backward or become gradients, and
+  outlive the next replay, and where this process cannot poison storages).
 * **what cannot be captured** (``debug.UNCAPTURABLE``: ``.item()``, data-dependent
   shapes, random numbers outside CUDA; CPU work inside a device graph; a capture that
   fails) follows ``fallback``: ``"eager"`` runs the graph uncaptured with one warning,
   ``"raise"`` raises :class:`graphgear.CaptureError`; ``stats()`` names op and reason.
+  A capture that fails while running the graph first restores the inputs it mutated,
+  so mutations happen exactly once; an error the graph raises by itself (it raises
+  again when run uncaptured) reaches the caller unchanged.
 
 The device graph itself (CPU, CUDA, NPU) is a small class with ``capture(args)``,
-``replay()``, ``release()``, ``nbytes`` and ``args`` (the bound inputs).
+``replay()``, ``release()``, ``nbytes``, ``args`` (the bound inputs), and the flags
+``runs_at_capture`` and ``rebindable``; the compiled code it runs (its executor) is made
+once per engine.
 """
 
 from __future__ import annotations
@@ -33,6 +46,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import threading
 import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -41,11 +55,13 @@ import torch
 from torch import fx
 
 from .. import debug
+from .._torch import StorageWeakRef, has_internal_overlap
 from ..errors import CaptureError
 from ..stats import register_release
-from .cpu_graph import CPUGraph, _nbytes
-from .cuda_graph import CUDAGraph
-from .npu_graph import NPUGraph, npu_available
+from . import liveness
+from .cpu_graph import CPUExecutor, CPUGraph, nbytes_of
+from .cuda_graph import CUDAGraph, cuda_executor
+from .npu_graph import NPUGraph, npu_available, npu_executor
 from .pool import MemoryPool
 
 if TYPE_CHECKING:
@@ -63,6 +79,7 @@ class CaptureGroup:
     pool: MemoryPool
     captures: int = 0
     limit_warned: bool = False
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
 
 _CUSTOM_POOLS: dict[Any, MemoryPool] = {}
@@ -100,6 +117,7 @@ def graph_device(example_inputs: Sequence[Any]) -> torch.device:
 
 
 _CONTROL_FLOW = {"cond", "while_loop", "higher_order.cond", "higher_order.while_loop"}
+_EFFECTS = {"with_effects", "higher_order.with_effects"}
 
 
 def find_uncapturable(gm: fx.GraphModule, device: torch.device) -> list[tuple[str, str]]:
@@ -114,6 +132,9 @@ def find_uncapturable(gm: fx.GraphModule, device: torch.device) -> list[tuple[st
         reason = debug.UNCAPTURABLE.get(key)
         if reason is None and key in _CONTROL_FLOW:
             reason = "control flow that depends on the data: a graph replays one fixed path"
+        if reason is None and key in _EFFECTS and device.type != "cpu":
+            reason = (f"an op with a host side effect ({n.args[1] if len(n.args) > 1 else key}): "
+                      f"a {device.type.upper()} graph replays only device work")
         if reason is not None:
             # CUDA graphs replay RNG safely: the generator's offset advances per replay.
             if not (device.type == "cuda" and reason.startswith("random numbers")):
@@ -132,7 +153,7 @@ def find_uncapturable(gm: fx.GraphModule, device: torch.device) -> list[tuple[st
     return found
 
 
-def _warn(msg: str) -> None:
+def warn(msg: str) -> None:
     warnings.warn(msg, UserWarning, stacklevel=3)
     log.warning(msg)
 
@@ -151,13 +172,18 @@ class UncapturedGraph:
         return self.gm(*args)
 
 
+
 @dataclasses.dataclass
 class _Entry:
+    """One capture: a graph key in one thread (and, where addresses are baked in, one
+    set of addresses of the inputs bound in place)."""
+
     warm: int = 0
     graph: Any = None
-    tracked_ptrs: tuple[int, ...] = ()
     uncaptured: bool = False
+    copy_idx: list[int] = dataclasses.field(default_factory=list)
     alias_out: list[bool] = dataclasses.field(default_factory=list)
+    bound_refs: list[StorageWeakRef] = dataclasses.field(default_factory=list)
 
 
 class CaptureEngine:
@@ -186,47 +212,65 @@ class CaptureEngine:
         self.mutated_idx = sorted(i for i in tensors if i in mutated)
         others = [i for i in tensors if i not in static and i not in mutated]
         self.copy_idx = others if cc.clone_input else []
+        # inputs used in place (their address is part of the capture)
         self.tracked_idx = self.mutated_idx + ([] if cc.clone_input else others)
         self.key_idx = [] if ctx.config.experimental_config.frozen_parameter else self.static_idx
         self.scalar_idx = [i for i in range(n) if i not in tensors]
+        self.rebindable = device.type == "cpu"
         self.clone_output = cc.clone_output or ctx.stage in ("forward", "backward")
         self.entries: dict[tuple[Any, ...], _Entry] = {}
+        self._executor: Any = None
+        self._staging: dict[tuple[int, int], torch.Tensor] = {}
+        self._lock = threading.RLock()
+        self._safe_warned = False
         self.calls = 0
         self.serial = next(_serial)
         register_release(self)
 
     # ---- keys and entries ------------------------------------------------------------
     def _key(self, args: Sequence[Any]) -> tuple[Any, ...]:
-        return (tuple(args[i].data_ptr() for i in self.key_idx),
-                tuple(args[i] for i in self.scalar_idx))
+        key = (threading.get_ident(), tuple(args[i].data_ptr() for i in self.key_idx),
+               tuple(args[i] for i in self.scalar_idx))
+        if not self.rebindable:
+            key += (tuple(args[i].data_ptr() if isinstance(args[i], torch.Tensor) else None
+                          for i in self.tracked_idx),)
+        return key
 
-    def _entry(self, key: tuple[Any, ...]) -> _Entry:
-        e = _Entry()
-        if self.group.captures >= self.cc.capture_limit:
-            e.uncaptured = True
-            reason = (f"capture_limit={self.cc.capture_limit} reached: further graph keys run "
-                      "uncaptured")
-            self.record.add_fallback("capture_limit", reason)
-            if not self.group.limit_warned:
-                self.group.limit_warned = True
-                _warn(
-                    f"graphgear: {self.record.name} ({self.ctx.stage}) reached "
-                    f"capture_config.capture_limit={self.cc.capture_limit} captured graphs; "
-                    f"new graph keys (sizes or parameter addresses) run uncaptured from now on. "
-                    f"To capture them, raise capture_limit, limit the sizes with "
-                    f"graphgear.set_dim_gears(...), or set "
-                    f"experimental_config.frozen_parameter=True if parameters move."
-                )
-        self.entries[key] = e
+    def _new_entry(self, key: tuple[Any, ...]) -> _Entry:
+        with self._lock:
+            self._release_dead()
+            e = _Entry()
+            if not self.rebindable and any(k[:3] == key[:3] for k in self.entries):
+                e.warm = self.cc.warmup_iters  # same code, inputs moved: no new warm-up
+            self.entries[key] = e
         return e
+
+    def _release_dead(self) -> None:
+        """Release the captures of threads that ended, and this thread's captures whose
+        inputs bound in place died (another thread's are its own to release)."""
+        alive = {t.ident for t in threading.enumerate()}
+        me = threading.get_ident()
+        for k, e in list(self.entries.items()):
+            if k[0] in alive and not (k[0] == me and any(r.expired() for r in e.bound_refs)):
+                continue
+            if e.graph is not None:
+                e.graph.release()
+                with self.group.lock:
+                    self.group.captures -= 1
+            del self.entries[k]
+        for k in [k for k in self._staging if k[0] not in alive]:
+            del self._staging[k]
+        self.pool.prune(alive)
 
     # ---- the call --------------------------------------------------------------------
     def __call__(self, args: list[Any]) -> list[Any]:
         self.calls += 1
+        if self.tracked_idx and self.pool.arena().handed:
+            self._stage_fed_back(args)
         key = self._key(args)
         e = self.entries.get(key)
         if e is None:
-            e = self._entry(key)
+            e = self._new_entry(key)
         g = e.graph
         if g is None:
             if e.uncaptured:
@@ -237,21 +281,41 @@ class CaptureEngine:
                 self.record.uncaptured_runs += 1
                 return self._warmup(args)
             return self._capture(e, args)
-        for i, p in zip(self.tracked_idx, e.tracked_ptrs):
-            if args[i].data_ptr() != p:
-                log.info("graphgear: %s: input %s moved; capturing again",
-                         self.record.name, self._input_name(i))
-                g.release()
-                e.graph = None
-                self.group.captures -= 1
-                return self._capture(e, args)
         bound = g.args
-        for i in self.copy_idx:
+        if self.rebindable:
+            for i in self.tracked_idx:
+                a = args[i]
+                if a is not bound[i] and a.data_ptr() != bound[i].data_ptr():
+                    g.rebind(i, a)  # a new KV cache: same code, same record
+                    self.record.rebinds += 1
+        for i in e.copy_idx:
             bound[i].copy_(args[i])
         self.pool.invalidate(self._stale_msg())
         outs = g.replay()
         self.record.replays += 1
         return self._hand_out(e, outs)
+
+    def _stage_fed_back(self, args: list[Any]) -> None:
+        """An input used in place that is a live output of this pool (an output fed back
+        in, ``clone_input=False``) would be overwritten while the graph reads it: copy it
+        to a buffer of its own first."""
+        live = self.pool.handed_ptrs()
+        if not live:
+            return
+        for i in self.tracked_idx:
+            a = args[i]
+            if isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() in live:
+                args[i] = self._stage(i, a)
+
+    def _stage(self, i: int, a: torch.Tensor) -> torch.Tensor:
+        """A buffer of this thread's own, with a stable address, holding a copy of ``a``."""
+        k = (threading.get_ident(), i)
+        buf = self._staging.get(k)
+        if buf is None or buf.size() != a.size() or buf.stride() != a.stride() or buf.dtype != a.dtype:
+            buf = torch.empty_strided(a.size(), a.stride(), dtype=a.dtype, device=a.device)
+            self._staging[k] = buf
+        buf.copy_(a)
+        return buf
 
     def _input_name(self, i: int) -> str:
         names = self.ctx.input_names
@@ -259,75 +323,136 @@ class CaptureEngine:
 
     def _warmup(self, args: list[Any]) -> list[Any]:
         if self.device.type in ("cuda", "npu"):
-            return self._device_graph().warmup(list(args))
+            graph = self._device_graph(args)
+            return graph.warmup(list(args))
         return list(self.gm(*args))
 
-    def _device_graph(self) -> Any:
-        kw = dict(stage=self.ctx.stage, static_idx=self.static_idx, pool=self.pool,
-                  name=self.record.name)
+    def _device_graph(self, args: list[Any]) -> Any:
+        kw = dict(pool=self.pool, name=self.record.name)
         if self.device.type == "cpu":
-            return CPUGraph(self.gm, **kw)
+            if self._executor is None:
+                self._executor = CPUExecutor(self.gm, args, stage=self.ctx.stage,
+                                             static_idx=self.static_idx, name=self.record.name)
+            return CPUGraph(self._executor, **kw)
         if self.device.type == "cuda":
-            return CUDAGraph(self.gm, device=self.device, mutated_idx=self.mutated_idx, **kw)
+            if self._executor is None:
+                self._executor = cuda_executor(self.gm, args, stage=self.ctx.stage,
+                                               static_idx=self.static_idx, name=self.record.name)
+            return CUDAGraph(self._executor, device=self.device, mutated_idx=self.mutated_idx, **kw)
         if self.device.type == "npu" and npu_available():
-            return NPUGraph(self.gm, device=self.device, mutated_idx=self.mutated_idx, **kw)
+            if self._executor is None:
+                self._executor = npu_executor(self.gm)
+            return NPUGraph(self._executor, device=self.device, mutated_idx=self.mutated_idx, **kw)
         raise CaptureError(
             f"graphgear: reduce-overhead has no device graph for device {self.device} "
             f"(graph {self.record.name}); supported: cpu, cuda, npu (with torch_npu). "
             f"Use mode='max-autotune' for this device."
         )
 
+    def _limit_reached(self) -> bool:
+        """Whether the FX graph's capture_limit forbids one more capture; takes a slot
+        when it does not."""
+        with self.group.lock:
+            if self.group.captures < self.cc.capture_limit:
+                self.group.captures += 1
+                return False
+            first = not self.group.limit_warned
+            self.group.limit_warned = True
+        reason = f"capture_limit={self.cc.capture_limit} reached: further graph keys run uncaptured"
+        self.record.add_fallback("capture_limit", reason)
+        if first:
+            warn(
+                f"graphgear: {self.record.name} ({self.ctx.stage}) reached "
+                f"capture_config.capture_limit={self.cc.capture_limit} live captured graphs; "
+                f"new graph keys (sizes, threads, addresses of inputs used in place, or parameter "
+                f"addresses) run uncaptured from now on. To capture them, raise capture_limit, "
+                f"limit the sizes with graphgear.set_dim_gears(...), or set "
+                f"experimental_config.frozen_parameter=True if parameters move."
+            )
+        return True
+
     def _capture(self, e: _Entry, args: list[Any]) -> list[Any]:
+        if self._limit_reached():
+            e.uncaptured = True
+            self.record.uncaptured_runs += 1
+            return list(self.gm(*args))
         bound = list(args)
         nbytes = 0
-        for i in self.copy_idx:
+        e.copy_idx = [i for i in self.copy_idx if isinstance(args[i], torch.Tensor)]
+        for i in e.copy_idx:
             a = args[i]
-            if torch._debug_has_internal_overlap(a) == 0:  # no overlap: keep its layout
+            if not has_internal_overlap(a):  # keep its layout
                 buf = torch.empty_strided(a.size(), a.stride(), dtype=a.dtype, device=a.device)
             else:  # expanded or overlapping: a dense buffer of the same shape
                 buf = torch.empty(a.size(), dtype=a.dtype, device=a.device)
             buf.copy_(a)
             bound[i] = buf
-            nbytes += _nbytes(a.size(), a.stride(), a.dtype)
+            nbytes += nbytes_of(a.size(), a.stride(), a.dtype)
         self.pool.invalidate(self._stale_msg())
-        if not self.clone_output:
-            from . import liveness
-
-            liveness.warm()  # build or load it now, not during a replay
+        if not self.clone_output and liveness.poisoner() is None:
+            self._enter_safe_mode()
+        graph = self._device_graph(bound)
+        snapshot = ({i: args[i].clone() for i in self.mutated_idx if isinstance(args[i], torch.Tensor)}
+                    if graph.runs_at_capture else {})
         try:
-            graph = self._device_graph()
             outs = graph.capture(bound)
             if outs is None:
                 outs = graph.replay()
-        except CaptureError:
-            raise
         except Exception as ex:
-            reason = f"capture failed: {type(ex).__name__}: {ex}"
-            self.record.add_fallback("capture", reason)
-            if self.cc.fallback == "raise":
-                raise CaptureError(
-                    f"graphgear: could not capture {self.record.name} ({self.ctx.stage}) on "
-                    f"{self.device}: {reason}. capture_config.fallback='raise' forbids running "
-                    f"it uncaptured; set fallback='eager' to run it uncaptured."
-                ) from ex
-            _warn(f"graphgear: could not capture {self.record.name} ({self.ctx.stage}) on "
-                  f"{self.device}: {reason}. It runs uncaptured from now on; see "
-                  f"graphgear.stats() for the reason.")
-            e.uncaptured = True
-            self.record.uncaptured_runs += 1
-            return list(self.gm(*args))
+            graph.release()
+            with self.group.lock:
+                self.group.captures -= 1
+            for i, saved in snapshot.items():  # undo what the failed run wrote
+                args[i].copy_(saved)
+            return self._capture_failed(e, args, ex)
         self.pool.add_bytes(nbytes)
         e.graph = graph
-        e.tracked_ptrs = tuple(args[i].data_ptr() for i in self.tracked_idx)
-        input_ptrs = {a.untyped_storage().data_ptr() for a in bound if isinstance(a, torch.Tensor)}
-        e.alias_out = [isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in input_ptrs
+        if not self.rebindable:
+            e.bound_refs = [StorageWeakRef(args[i].untyped_storage()) for i in self.tracked_idx
+                            if isinstance(args[i], torch.Tensor)]
+            for i in self.tracked_idx:  # addresses are baked in: hold no reference
+                graph.args[i] = None
+        user = {args[i].untyped_storage().data_ptr() for i in self.static_idx + self.tracked_idx
+                if isinstance(args[i], torch.Tensor)}
+        e.alias_out = [isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in user
                        for o in outs]
-        self.group.captures += 1
         self.record.captures += 1
         self.record.pool_bytes = max(self.record.pool_bytes, self.pool.nbytes)
         log.info("graphgear: captured %s (%s) on %s: %d bytes", self.record.name,
                  self.ctx.stage, self.device, graph.nbytes + nbytes)
         return self._hand_out(e, outs)
+
+    def _capture_failed(self, e: _Entry, args: list[Any], ex: Exception) -> list[Any]:
+        """The inputs are as the caller passed them. ``fallback='raise'`` raises; else
+        the graph runs once uncaptured: if that raises too, the error is the graph's own
+        and reaches the caller (the next call tries to capture again); if not, this key
+        runs uncaptured from now on."""
+        reason = f"capture failed: {type(ex).__name__}: {ex}"
+        if self.cc.fallback == "raise":
+            self.record.add_fallback("capture", reason)
+            raise CaptureError(
+                f"graphgear: could not capture {self.record.name} ({self.ctx.stage}) on "
+                f"{self.device}: {reason}. The inputs are unchanged. "
+                f"capture_config.fallback='raise' forbids running it uncaptured; set "
+                f"fallback='eager' to run it uncaptured."
+            ) from ex
+        self.record.uncaptured_runs += 1
+        outs = list(self.gm(*args))  # raises the graph's own error, once
+        self.record.add_fallback("capture", reason)
+        warn(f"graphgear: could not capture {self.record.name} ({self.ctx.stage}) on "
+             f"{self.device}: {reason}. It runs uncaptured from now on; see "
+             f"graphgear.stats() for the reason.")
+        e.uncaptured = True
+        return outs
+
+    def _enter_safe_mode(self) -> None:
+        self.clone_output = True
+        if not self._safe_warned:
+            self._safe_warned = True
+            warn(f"graphgear: {self.record.name}: this process cannot mark overwritten outputs "
+                 f"(no output-liveness support, see the log); reduce-overhead returns copies of "
+                 f"its outputs instead (as capture_config.clone_output=True): correct, a little "
+                 f"slower.")
 
     def _stale_msg(self) -> str:
         return (
@@ -340,29 +465,27 @@ class CaptureEngine:
     def _hand_out(self, e: _Entry, outs: list[Any]) -> list[Any]:
         if self.clone_output:
             return [o.clone() if isinstance(o, torch.Tensor) else o for o in outs]
-        from .liveness import alias
-
         res = list(outs)
         pool = self.pool
         for i, a in enumerate(e.alias_out):
             if a:
-                t = alias(res[i])
-                pool.hand_out(t)
-                res[i] = t
+                res[i] = pool.hand_out(res[i])
         return res
 
     # ---- release ---------------------------------------------------------------------
     def release(self) -> None:
-        """Drop every capture and free its memory; the next call warms up and captures
-        again."""
-        for e in self.entries.values():
-            if e.graph is not None:
-                e.graph.release()
-                self.group.captures -= 1
-        self.entries.clear()
-        if self.private_pool or self.pool is self.group.pool:
-            self.pool.release()
-        else:
-            self.pool.invalidate(self._stale_msg())
-        self.group.captures = max(0, self.group.captures)
-        self.group.limit_warned = False
+        """Drop every capture (every thread's) and free its memory; the next call warms
+        up and captures again."""
+        with self._lock:
+            for e in self.entries.values():
+                if e.graph is not None:
+                    e.graph.release()
+                    with self.group.lock:
+                        self.group.captures -= 1
+            self.entries.clear()
+            self._staging.clear()
+            self._executor = None
+        self.pool.release()
+        with self.group.lock:
+            self.group.captures = max(0, self.group.captures)
+            self.group.limit_warned = False

@@ -1,99 +1,225 @@
-"""Output liveness: make a tensor whose memory a later replay overwrote raise on access.
+"""Output liveness: a captured graph's outputs raise once a later replay overwrote them.
 
 A device graph's outputs live in the graph's memory; the next replay writes new values
-there. graphgear hands out each static output through a fresh, non-owning storage that
-aliases the graph's memory, and when a later replay is about to overwrite that memory it
-*poisons* the handed-out storage: any read of the tensor (or of a view of it) then
-raises ``RuntimeError`` with graphgear's message. The graph's own buffers are never
-poisoned.
+there. graphgear hands out each static output through an *alias*: a tensor over the same
+memory with a ``StorageImpl`` of its own that does not own the memory. The pool keeps a
+weak reference to that storage (not to the tensor: a view made under
+``torch.inference_mode()`` keeps the storage alive but not the tensor it came from), and
+before a replay overwrites the memory it *poisons* every alias storage still alive:
+every read through any tensor or view over it then raises ``RuntimeError`` with
+graphgear's message. The graph's own buffers are never poisoned.
 
-Poisoning uses ``c10::StorageImpl::release_data_and_set_meta_custom_data_ptr_error_msg_``
-(the mechanism cudagraph trees use on CUDA). Python exposes it only on CUDA builds
-(``torch._C._set_storage_access_error_msg``), so on other builds graphgear compiles a
-three-line extension once (cached on disk by ``torch.utils.cpp_extension``). If neither
-is available the tensor is pointed at an unallocated storage, which raises ATen's own
-"data is not allocated" error: still an error, never stale or new values.
+Poisoning is ``c10::StorageImpl::release_data_and_set_meta_custom_data_ptr_error_msg_``:
+
+* CUDA builds of torch expose it (``_torch.storage_poisoner_builtin``);
+* CPU builds do not, so graphgear builds a three-line extension once, in a subprocess
+  with a time limit, into a per-user folder (``~/.cache/graphgear/extensions``, mode
+  0700); a stale build lock or a failing build never hangs or crashes the caller;
+* where neither is available :func:`poisoner` returns None and the capture engine
+  clones every output instead (``clone_output=True``), with one warning: slower, never
+  wrong.
+
+Memory stays valid while anything can reach it: a poisoned alias no longer reaches it
+through torch, but a NumPy array (or a raw ``data_ptr()``) taken earlier still points
+into it. :class:`Keeper` therefore holds the memory's owner (the pool block or static
+buffer) until the alias storage itself is gone; ``reset()`` and pool growth free only
+memory no alias can reach. Such an array shows whatever the graph last wrote there.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import importlib.machinery
+import importlib.util
 import logging
+import os
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from .._torch import StorageWeakRef, non_owning_storage, storage_poisoner_builtin
+
 log = logging.getLogger(__name__)
 
-__all__ = ["alias", "poison"]
+__all__ = ["Handout", "Keeper", "alias", "build_extension", "poisoner"]
 
 _SRC = r"""
 #include <torch/extension.h>
-void poison(const at::Tensor& t, const std::string& msg) {
-  t.storage().unsafeGetStorageImpl()->release_data_and_set_meta_custom_data_ptr_error_msg_(msg);
+// Same effect as torch._C._set_storage_data_ptr_access_error_msg (CUDA builds only):
+// every later data access through this StorageImpl raises RuntimeError(msg).
+void poison(int64_t storage_impl, const std::string& msg) {
+  reinterpret_cast<c10::StorageImpl*>(storage_impl)
+      ->release_data_and_set_meta_custom_data_ptr_error_msg_(msg);
 }
 """
 
-_lock = threading.Lock()
-_impl: Callable[[torch.Tensor, str], None] | None = None
+#: Seconds a build of the extension may take (a cold build takes about 30 s on 2 cores).
+BUILD_TIMEOUT_ENV = "GRAPHGEAR_BUILD_TIMEOUT"
+DEFAULT_BUILD_TIMEOUT = 300.0
 
 
-def _null_storage(t: torch.Tensor, msg: str) -> None:
-    st = torch._C._construct_storage_from_data_pointer(0, t.device, t.untyped_storage().nbytes())
-    t.set_(st, t.storage_offset(), t.size(), t.stride())
+def extension_dir() -> Path:
+    """Where the liveness extension is built: per user, per torch and Python version."""
+    base = os.environ.get("GRAPHGEAR_EXTENSIONS_DIR")
+    root = Path(base) if base else Path(
+        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    ) / "graphgear" / "extensions"
+    tag = hashlib.sha256(f"{_SRC}{torch.__version__}{sys.version}".encode()).hexdigest()[:12]
+    return root / f"liveness-{tag}"
 
 
-def _load() -> Callable[[torch.Tensor, str], None]:
-    global _impl
-    with _lock:
-        if _impl is not None:
-            return _impl
-        fn = getattr(torch._C, "_set_storage_access_error_msg", None)
-        if fn is not None:
-            _impl = fn
-            return fn
-        try:
-            from torch.utils.cpp_extension import load_inline
-
-            mod = load_inline(
-                "graphgear_liveness", cpp_sources=[_SRC], functions=["poison"],
-                extra_cflags=["-O1"], verbose=False,
-            )
-            _impl = mod.poison
-        except Exception as e:  # no compiler: degrade to ATen's "not allocated" error
-            log.warning(
-                "graphgear: could not build the output-liveness extension (%s); overwritten "
-                "outputs of reduce-overhead graphs will raise ATen's 'data is not allocated' "
-                "error instead of graphgear's message.", e,
-            )
-            _impl = _null_storage
-        return _impl
+def _module_name(folder: Path) -> str:
+    return "graphgear_" + folder.name.replace("-", "_")
 
 
-def poison(t: torch.Tensor, msg: str) -> None:
-    """Make every later access to ``t``'s storage raise ``RuntimeError(msg)``."""
-    _load()(t, msg)
+def _load_built(folder: Path) -> Any | None:
+    name = _module_name(folder)
+    for f in folder.glob(f"{name}*.so"):
+        spec = importlib.util.spec_from_file_location(
+            name, f, loader=importlib.machinery.ExtensionFileLoader(name, str(f)))
+        if spec is None or spec.loader is None:
+            continue
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+    return None
+
+
+def build_extension(folder: Path | None = None, timeout: float | None = None) -> Any | None:
+    """Build (once) and load the poison extension; None with a warning when it cannot be.
+
+    The build runs in a subprocess with ``timeout`` seconds (default
+    ``$GRAPHGEAR_BUILD_TIMEOUT`` or 300): torch's builder waits forever on a ``lock`` file
+    that a build killed half-way leaves behind, and the caller must not hang with it.
+    """
+    folder = folder or extension_dir()
+    if timeout is None:
+        timeout = float(os.environ.get(BUILD_TIMEOUT_ENV, DEFAULT_BUILD_TIMEOUT))
+    try:
+        mod = _load_built(folder)
+        if mod is not None:
+            return mod
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if folder.stat().st_uid != os.getuid() or folder.stat().st_mode & 0o022:
+            raise PermissionError(f"{folder} is not owned by this user or is writable by others")
+        script = (
+            "import sys, torch.utils.cpp_extension as c\n"
+            "c.load_inline(sys.argv[1], cpp_sources=[sys.argv[2]], functions=['poison'], "
+            "build_directory=sys.argv[3], extra_cflags=['-O1'], verbose=False)\n"
+        )
+        proc = subprocess.run(
+            [sys.executable, "-c", script, _module_name(folder), _SRC, str(folder)],
+            capture_output=True, text=True, timeout=timeout,
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip()
+                               else f"exit status {proc.returncode}")
+        mod = _load_built(folder)
+        if mod is None:
+            raise RuntimeError(f"the build left no module in {folder}")
+        return mod
+    except subprocess.TimeoutExpired:
+        lock = folder / "lock"
+        why = (f"a stale build lock {lock} (left by a process killed while building) blocks it"
+               if lock.exists() else "the build did not finish")
+        log.warning(
+            "graphgear: building the output-liveness extension took over %.0f s: %s. Delete the "
+            "folder %s and try again (or raise $%s). Until then reduce-overhead clones its "
+            "outputs.", timeout, why, folder, BUILD_TIMEOUT_ENV)
+    except Exception as e:  # no compiler, unwritable folder, ...
+        log.warning(
+            "graphgear: could not build the output-liveness extension in %s (%s: %s); "
+            "reduce-overhead clones its outputs instead (correct, slower). Install a C++ "
+            "compiler, or point $GRAPHGEAR_EXTENSIONS_DIR at a writable folder of your own.",
+            folder, type(e).__name__, e)
+    return None
+
+
+_RESOLVE_LOCK = threading.Lock()
+
+
+@functools.cache
+def _resolve() -> Callable[[int, str], None] | None:
+    fn = storage_poisoner_builtin()
+    if fn is not None:
+        return fn
+    mod = build_extension()
+    return None if mod is None else mod.poison
+
+
+def poisoner() -> Callable[[int, str], None] | None:
+    """``poison(storage_impl_address, msg)``, or None when this process has none (the
+    engine then clones outputs). Resolved (built) once per process."""
+    with _RESOLVE_LOCK:
+        return _resolve()
 
 
 def alias(static: torch.Tensor) -> torch.Tensor:
-    """A tensor over ``static``'s memory with a storage of its own (not owning the
-    memory), so it can be poisoned without touching ``static``."""
+    """A tensor over ``static``'s memory with a storage of its own that does not own the
+    memory, so it can be poisoned without touching ``static``."""
     st = static.untyped_storage()
-    own = torch._C._construct_storage_from_data_pointer(st.data_ptr(), static.device, st.nbytes())
+    own = non_owning_storage(st.data_ptr(), static.device, st.nbytes())
     out = torch.empty((), dtype=static.dtype, device=static.device)
     out.set_(own, static.storage_offset(), static.size(), static.stride())
     return out
 
 
-def warm() -> None:
-    """Build or load the extension now (tests and capture call it before timing)."""
-    _load()
+class Handout:
+    """One output handed out: a weak reference to its alias storage and a strong one to
+    the memory's owner (kept until the alias storage is gone)."""
+
+    __slots__ = ("owner", "ptr", "ref")
+
+    def __init__(self, alias_tensor: torch.Tensor, owner: torch.UntypedStorage) -> None:
+        st = alias_tensor.untyped_storage()
+        self.ref = StorageWeakRef(st)
+        self.ptr = st.data_ptr()
+        self.owner = owner
 
 
-def _is_poisoned(t: Any) -> bool:
-    try:
-        t.data_ptr()
-    except RuntimeError:
-        return True
-    return False
+class Keeper:
+    """Owners of memory that poisoned aliases may still reach through raw pointers
+    (NumPy arrays); each is dropped once its alias storage is gone.
+
+    One per process (:data:`KEEPER`): the memory can outlive the graph, pool and thread
+    that made it, so it cannot belong to any of them."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: list[Handout] = []
+
+    def hold(self, items: list[Handout]) -> None:
+        with self._lock:
+            self._held = [h for h in self._held if not h.ref.expired()] + items
+
+    def sweep(self) -> None:
+        if self._held:
+            with self._lock:
+                self._held = [h for h in self._held if not h.ref.expired()]
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+
+KEEPER = Keeper()
+
+
+def poison_all(handed: list[Handout], msg: str, poison: Callable[[int, str], None]) -> int:
+    """Poison every alias in ``handed`` that is still alive; hand the live ones to
+    :data:`KEEPER`. Returns how many were poisoned."""
+    live: list[Handout] = []
+    for h in handed:
+        st = h.ref()  # a strong reference while poisoning (another thread may drop it)
+        if st is None:
+            continue
+        poison(st._cdata, msg)
+        live.append(h)
+    if live or len(KEEPER):
+        KEEPER.hold(live)
+    return len(live)

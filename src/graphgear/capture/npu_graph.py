@@ -12,12 +12,18 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import fx
 
 from .cuda_graph import CUDAGraph
 
 log = logging.getLogger(__name__)
 
-__all__ = ["NPUGraph", "npu_available"]
+__all__ = ["NPUGraph", "npu_available", "npu_executor"]
+
+
+def npu_executor(gm: fx.GraphModule) -> Callable[[list[Any]], Any]:
+    """The code an NPU graph captures: the FX graph as it is."""
+    return lambda a: gm(*a)
 
 
 def npu_available() -> bool:
@@ -37,12 +43,9 @@ class NPUGraph(CUDAGraph):
     def _mod(self) -> Any:
         return torch.npu  # type: ignore[attr-defined]
 
-    def _executor(self, args: list[Any]) -> Callable[[list[Any]], Any]:
-        gm = self.gm
-        return lambda a: gm(*a)
-
     def _new_graph(self) -> Any:
         return torch.npu.NPUGraph()  # type: ignore[attr-defined]
 
     def _graph_ctx(self, graph: Any, pool: Any, stream: Any) -> Any:
-        return torch.npu.graph(graph, pool=pool, stream=stream)  # type: ignore[attr-defined]
+        return torch.npu.graph(graph, pool=pool, stream=stream,  # type: ignore[attr-defined]
+                               capture_error_mode="thread_local")

@@ -1,16 +1,19 @@
 """Memory pools of captured graphs.
 
-A :class:`MemoryPool` is the memory that one or more captured graphs run in:
+A :class:`MemoryPool` is the memory that one or more captured graphs run in. It keeps
+one :class:`Arena` per thread: captures made in one thread run in that thread's arena,
+so a replay in one thread never overwrites what another thread was handed (concurrent
+callers get their own captures, as CUDA graph trees do).
 
-* on CUDA and NPU it carries the device graph pool handle (``graph_pool_handle()``)
-  that captures share;
-* on the CPU it holds graphgear's own arena: the ``k``-th buffer a capture allocates is
-  the pool's block ``k`` (grown when a later capture needs more, moving the earlier
-  captures' buffers along), so every capture that shares the pool runs in the same memory.
+An arena holds
 
-Sharing memory means a replay overwrites the outputs of every capture in the pool. The
-pool therefore tracks the outputs it handed out and poisons them (see ``liveness``)
-before any replay in it runs.
+* on CUDA and NPU, the device graph pool handle (``graph_pool_handle()``) that its
+  captures share;
+* on the CPU, graphgear's own blocks: the ``k``-th buffer a capture allocates is block
+  ``k`` (grown when a later capture needs more, moving the earlier captures' buffers
+  along), so every capture that shares the arena runs in the same memory;
+* the outputs it handed out (``liveness.Handout``): before any replay in the arena runs,
+  :meth:`MemoryPool.invalidate` poisons them, so reading one raises.
 
 Who shares a pool: ``capture_config.use_custom_pool`` (one pool for several models);
 else the captures of one FX graph (``reuse_pool_across_gears``, the default); else each
@@ -22,6 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -30,114 +34,162 @@ from . import liveness
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MemoryPool"]
+__all__ = ["Arena", "MemoryPool"]
 
 _ALIGN = 64
+
+_RESET_MSG = (
+    "graphgear: this tensor was an output of a reduce-overhead graph whose memory "
+    "graphgear.reset() (or the end of its thread) released. Clone outputs you keep "
+    "(out.clone()) or set capture_config.clone_output=True."
+)
+
+
+class Arena:
+    """One thread's memory in a :class:`MemoryPool`."""
+
+    def __init__(self, device_handle: Any = None) -> None:
+        self.device_handle = device_handle
+        self.blocks: list[torch.UntypedStorage] = []
+        self.views: list[list[weakref.ref[torch.Tensor]]] = []
+        self.handed: list[liveness.Handout] = []
+        self.nbytes = 0
 
 
 class MemoryPool:
     """Memory shared by captured graphs; pass one to ``capture_config.use_custom_pool``
-    to make several compiled models share it.
+    to make several compiled models share it (each thread gets its own arena in it).
 
     >>> pool = graphgear.capture.MemoryPool()
     >>> config.capture_config.use_custom_pool = pool
     """
 
     def __init__(self, pool_id: Any = None, *, name: str = "pool") -> None:
-        # CUDA/NPU graph pool handle: given (a ``graph_pool_handle()`` tuple) or made on
-        # first capture.
+        # A given CUDA/NPU graph pool handle serves the first thread that captures;
+        # other threads make their own.
         self.pool_id = pool_id
         self.name = name
-        self._blocks: list[torch.UntypedStorage] = []
-        self._views: list[list[weakref.ref[torch.Tensor]]] = []
-        self._bytes = 0
-        self._handed: list[weakref.ref[torch.Tensor]] = []
+        self._arenas: dict[int, Arena] = {}
         self._lock = threading.Lock()
         self.invalidations = 0
 
+    # ---- per-thread arenas -------------------------------------------------------
+    def arena(self) -> Arena:
+        """The calling thread's arena (made on first use)."""
+        tid = threading.get_ident()
+        a = self._arenas.get(tid)
+        if a is None:
+            with self._lock:
+                handle = self.pool_id if not self._arenas else None
+                a = self._arenas.setdefault(tid, Arena(handle))
+        return a
+
+    def prune(self, alive: Iterable[int]) -> None:
+        """Release the arenas of threads not in ``alive`` (thread idents)."""
+        keep = set(alive)
+        with self._lock:
+            dead = [t for t in self._arenas if t not in keep]
+            arenas = [self._arenas.pop(t) for t in dead]
+        for a in arenas:
+            self._release_arena(a)
+
     # ---- device graph pools ------------------------------------------------------
     def device_handle(self, device: torch.device) -> Any:
-        """The device graph pool handle, made on first use."""
-        if self.pool_id is None:
+        """The calling thread's device graph pool handle, made on first use."""
+        a = self.arena()
+        if a.device_handle is None:
             if device.type == "cuda":
-                self.pool_id = torch.cuda.graph_pool_handle()
+                a.device_handle = torch.cuda.graph_pool_handle()
             elif device.type == "npu":
-                self.pool_id = torch.npu.graph_pool_handle()  # type: ignore[attr-defined]
-        return self.pool_id
+                a.device_handle = torch.npu.graph_pool_handle()  # type: ignore[attr-defined]
+            with self._lock:
+                if self.pool_id is None:
+                    self.pool_id = a.device_handle
+        return a.device_handle
 
     def add_bytes(self, nbytes: int) -> None:
-        """Account memory a device graph took from this pool."""
-        self._bytes += nbytes
+        """Account memory a device graph took from this pool (calling thread)."""
+        self.arena().nbytes += nbytes
 
-    # ---- CPU arena ---------------------------------------------------------------
+    # ---- CPU arena blocks --------------------------------------------------------
     def block(self, index: int, nbytes: int, device: torch.device) -> torch.UntypedStorage:
-        """Block ``index`` of the arena, at least ``nbytes`` long.
+        """Block ``index`` of the calling thread's arena, at least ``nbytes`` long.
 
         A block too small for a new capture is replaced by a larger one, and the buffers
-        of earlier captures on it move to the new block (see :meth:`register`).
+        of earlier captures on it move to the new block (see :meth:`register`). Outputs
+        handed out over the old block were poisoned before this capture started; the old
+        block itself lives on while any of them can still reach it (``liveness.KEEPER``).
         """
+        a = self.arena()
         nbytes = max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
-        with self._lock:
-            while len(self._blocks) <= index:
-                self._blocks.append(torch.UntypedStorage(0, device=device))
-                self._views.append([])
-            blk = self._blocks[index]
-            if blk.nbytes() < nbytes or blk.device != device:
-                # Grow: move every earlier capture's buffer on this block to the new
-                # block (their contents are rewritten by each replay), so the captures
-                # keep sharing one block. Outputs handed out over the old block were
-                # poisoned before this capture started.
-                new = torch.UntypedStorage(nbytes, device=device)
-                live = []
-                for ref in self._views[index]:
-                    t = ref()
-                    if t is not None:
-                        t.set_(new, t.storage_offset(), t.size(), t.stride())
-                        live.append(ref)
-                self._views[index] = live
-                self._bytes += nbytes - (blk.nbytes() if blk.device == device else 0)
-                self._blocks[index] = blk = new
-            return blk
+        while len(a.blocks) <= index:
+            a.blocks.append(torch.UntypedStorage(0, device=device))
+            a.views.append([])
+        blk = a.blocks[index]
+        if blk.nbytes() < nbytes or blk.device != device:
+            new = torch.UntypedStorage(nbytes, device=device)
+            live = []
+            for ref in a.views[index]:
+                t = ref()
+                if t is not None:
+                    t.set_(new, t.storage_offset(), t.size(), t.stride())
+                    live.append(ref)
+            a.views[index] = live
+            a.nbytes += nbytes - (blk.nbytes() if blk.device == device else 0)
+            a.blocks[index] = blk = new
+        return blk
 
     def register(self, index: int, t: torch.Tensor) -> None:
         """Note that ``t`` lives on block ``index``, so that growing the block moves it."""
-        self._views[index].append(weakref.ref(t))
+        self.arena().views[index].append(weakref.ref(t))
 
     @property
     def nbytes(self) -> int:
         """Bytes this pool has allocated (arena blocks, static buffers, device graphs)."""
-        return self._bytes
+        return sum(a.nbytes for a in list(self._arenas.values()))
 
     # ---- output liveness ---------------------------------------------------------
-    def hand_out(self, t: torch.Tensor) -> None:
-        """Track ``t`` (an alias of pool memory given to the user) for :meth:`invalidate`."""
-        self._handed.append(weakref.ref(t))
+    def hand_out(self, static: torch.Tensor) -> torch.Tensor:
+        """An alias of ``static`` (pool memory) for the user, tracked for
+        :meth:`invalidate`."""
+        t = liveness.alias(static)
+        self.arena().handed.append(liveness.Handout(t, static.untyped_storage()))
+        return t
+
+    def handed_ptrs(self) -> set[int]:
+        """Data pointers of the calling thread's outputs that are still valid."""
+        return {h.ptr for h in self.arena().handed if not h.ref.expired()}
 
     def invalidate(self, msg: str) -> int:
-        """Poison every output handed out so far that is still alive; returns how many."""
-        if not self._handed:
+        """Poison every output the calling thread was handed that is still alive."""
+        a = self.arena()
+        if not a.handed:
+            liveness.KEEPER.sweep()
             return 0
-        handed, self._handed = self._handed, []
-        n = 0
-        for ref in handed:
-            t = ref()
-            if t is not None:
-                liveness.poison(t, msg)
-                n += 1
+        handed, a.handed = a.handed, []
+        poison = liveness.poisoner()
+        n = liveness.poison_all(handed, msg, poison) if poison is not None else 0
         self.invalidations += n
         return n
 
+    def _release_arena(self, a: Arena) -> None:
+        handed, a.handed = a.handed, []
+        poison = liveness.poisoner() if handed else None
+        if poison is not None:
+            self.invalidations += liveness.poison_all(handed, _RESET_MSG, poison)
+        a.blocks.clear()
+        a.views.clear()
+        a.nbytes = 0
+
     def release(self) -> None:
-        """Poison handed-out outputs and drop the arena (captures hold their own refs)."""
-        self.invalidate(
-            "graphgear: this tensor was an output of a reduce-overhead graph that "
-            "graphgear.reset() released; its memory is gone. Clone outputs you keep "
-            "(out.clone()) or set capture_config.clone_output=True."
-        )
+        """Poison every handed-out output of every thread and drop the memory (what a
+        live alias can still reach is kept until it is gone)."""
         with self._lock:
-            self._blocks.clear()
-            self._views.clear()
-            self._bytes = 0
+            arenas = list(self._arenas.values())
+            self._arenas.clear()
+        for a in arenas:
+            self._release_arena(a)
 
     def __repr__(self) -> str:
-        return f"MemoryPool({self.name!r}, {self._bytes} bytes, {len(self._blocks)} blocks)"
+        blocks = sum(len(a.blocks) for a in list(self._arenas.values()))
+        return f"MemoryPool({self.name!r}, {self.nbytes} bytes, {blocks} blocks, {len(self._arenas)} threads)"
