@@ -78,3 +78,4 @@ def storage_poisoner_builtin() -> Callable[[int, str], None] | None:
     Not to be confused with ``_set_storage_access_error_msg(tensor, msg)``, which
     poisons one tensor and leaves its views readable."""
     return getattr(torch._C, "_set_storage_data_ptr_access_error_msg", None)
+

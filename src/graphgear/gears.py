@@ -289,9 +289,10 @@ class GearedGraph:
         self.compiled: dict[tuple[int, ...], Callable[..., Any]] = {}
         self.warmed: set[tuple[int, ...]] = set()
         self.calls_to_build = calls_to_build  # calls that compile (and capture) one key
-        # padded copies of inputs, one per (argument, gear): a stable address, so a
-        # captured graph that binds or mutates it in place is not captured again
-        self._pad_buffers: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
+        # padded copies of inputs, one per (thread, argument, gear): a stable address, so
+        # a captured graph that binds or mutates it in place is not captured again, and
+        # concurrent callers never share one
+        self._pad_buffers: dict[tuple[int, int, tuple[int, ...]], torch.Tensor] = {}
         self.per_key = True  # each key is compiled by ``build`` (False: one shared graph)
         self._lock = threading.Lock()
         if plan is not None:
@@ -332,10 +333,11 @@ class GearedGraph:
                 shape = info.shape_at(j, target)
                 if shape == list(a.shape):
                     continue
-                p = self._pad_buffers.get((j, target))
+                k = (threading.get_ident(), j, target)
+                p = self._pad_buffers.get(k)
                 if p is None or list(p.shape) != shape or p.dtype != a.dtype or p.device != a.device:
                     p = a.new_zeros(shape)
-                    self._pad_buffers[(j, target)] = p
+                    self._pad_buffers[k] = p
                 else:
                     p.zero_()
                 p[tuple(slice(0, n) for n in a.shape)] = a

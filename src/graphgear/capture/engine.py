@@ -329,20 +329,25 @@ class CaptureEngine:
 
     def _device_graph(self, args: list[Any]) -> Any:
         kw = dict(pool=self.pool, name=self.record.name)
+        if self._executor is None:
+            with self._lock:
+                if self._executor is None:
+                    self._executor = self._compile(args)
         if self.device.type == "cpu":
-            if self._executor is None:
-                self._executor = CPUExecutor(self.gm, args, stage=self.ctx.stage,
-                                             static_idx=self.static_idx, name=self.record.name)
             return CPUGraph(self._executor, **kw)
         if self.device.type == "cuda":
-            if self._executor is None:
-                self._executor = cuda_executor(self.gm, args, stage=self.ctx.stage,
-                                               static_idx=self.static_idx, name=self.record.name)
             return CUDAGraph(self._executor, device=self.device, mutated_idx=self.mutated_idx, **kw)
+        return NPUGraph(self._executor, device=self.device, mutated_idx=self.mutated_idx, **kw)
+
+    def _compile(self, args: list[Any]) -> Any:
+        """The code every capture of this graph runs (compiled once per engine)."""
+        kw = dict(stage=self.ctx.stage, static_idx=self.static_idx, name=self.record.name)
+        if self.device.type == "cpu":
+            return CPUExecutor(self.gm, args, **kw)
+        if self.device.type == "cuda":
+            return cuda_executor(self.gm, args, **kw)
         if self.device.type == "npu" and npu_available():
-            if self._executor is None:
-                self._executor = npu_executor(self.gm)
-            return NPUGraph(self._executor, device=self.device, mutated_idx=self.mutated_idx, **kw)
+            return npu_executor(self.gm)
         raise CaptureError(
             f"graphgear: reduce-overhead has no device graph for device {self.device} "
             f"(graph {self.record.name}); supported: cpu, cuda, npu (with torch_npu). "

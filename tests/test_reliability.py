@@ -1,0 +1,417 @@
+"""Probes of issue 8, one test (or more) per numbered item, each of which failed before
+its fix: reduce-overhead is never silently wrong, never touches freed memory, serves
+threads, and keeps inputs mutated exactly once; passes, gears and files behave."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import threading
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import graphgear
+from graphgear.capture import MemoryPool, liveness
+from graphgear.capture.cpu_graph import CPUGraph
+
+pytestmark = pytest.mark.inductor
+
+
+# ---- reduce-overhead: memory safety, threads, capture rules (items 1-5, 7, 9-11, 16a, 18) ----
+
+
+def _ro(**capture: object) -> graphgear.backend.GraphgearBackend:
+    config = graphgear.CompilerConfig()
+    config.mode = "reduce-overhead"
+    for k, v in capture.items():
+        if k == "gear_padding":
+            config.inference_config.gear_padding = v
+        elif k == "run_eagerly":
+            config.debug.run_eagerly = v
+        elif k == "mode":
+            config.mode = v
+        else:
+            setattr(config.capture_config, k, v)
+    return graphgear.get_backend(config)
+
+
+def _rec(stage: str = "inference") -> graphgear.stats.GraphRecord:
+    return [g for g in graphgear.stats().graphs if g.stage == stage][-1]
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.lin(x)) * 2 + 1
+
+
+class AddCache(nn.Module):
+    """Adds its input into a cache in place (the kind of mutation a double run shows)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        cache.add_(self.lin(x))
+        return cache * 2
+
+
+_VIEWS = {
+    "slice": lambda t: t[:, -1],
+    "narrow": lambda t: t.narrow(1, 2, 3),
+    "view": lambda t: t.view(-1),
+    "t": lambda t: t.t(),
+    "select": lambda t: t[0],
+}
+
+
+@pytest.mark.parametrize("make_view", list(_VIEWS.values()), ids=list(_VIEWS))
+def test_item1_views_made_under_inference_mode_raise_when_stale(make_view) -> None:  # type: ignore[no-untyped-def]
+    net = Net()
+    f = torch.compile(net, backend=_ro(warmup_iters=0))
+    x1, x2 = torch.randn(2, 8), torch.randn(2, 8)
+    with torch.inference_mode():
+        out = f(x1)
+        view = make_view(out)
+        want = make_view(net(x1)).clone()
+        torch.testing.assert_close(view, want)
+        out = f(x2)  # the only reference to the first output is now the view
+        with pytest.raises(RuntimeError, match="overwritten.*clone_output=True"):
+            view + 0
+        torch.testing.assert_close(out, net(x2))
+
+
+def test_item1_decode_loop_keeps_last_logits_view() -> None:
+    from graphgear.toy_decoder import DecoderConfig, ToyDecoder
+
+    cfg = DecoderConfig(vocab_size=64, hidden_size=32, num_layers=1, intermediate_size=64, max_seq_len=16)
+    model, ref = ToyDecoder(cfg).eval(), ToyDecoder(cfg).eval()
+    ref.load_state_dict(model.state_dict())
+    f = torch.compile(model, backend=_ro(warmup_iters=0))
+    with torch.inference_mode():
+        tok = ref_tok = torch.tensor([[1]])
+        lasts = []
+        for p in range(6):
+            last = f(tok, torch.tensor([p]))[:, -1]  # the view outlives the output
+            want = ref(ref_tok, torch.tensor([p]))[:, -1]
+            torch.testing.assert_close(last, want)
+            tok, ref_tok = last.argmax(-1, keepdim=True), want.argmax(-1, keepdim=True)
+            lasts.append(last)
+        for stale in lasts[:-1]:
+            with pytest.raises(RuntimeError, match="overwritten"):
+                stale.sum()
+
+
+def _churn(nbytes: int) -> list[torch.Tensor]:
+    """Allocate (and fill) what freed memory of about ``nbytes`` would be reused for."""
+    return [torch.full((nbytes // 4 + k,), 7.0) for k in range(64)]
+
+
+def test_item2_reset_keeps_memory_behind_views_and_arrays() -> None:
+    net = Net()
+    f = torch.compile(net, backend=_ro(warmup_iters=0))
+    x = torch.randn(2, 8)
+    with torch.inference_mode():
+        out = f(x)
+        view = out[1]
+        arr = out.numpy()
+        want = arr.copy()
+    del out
+    graphgear.reset()
+    gc.collect()
+    junk = _churn(arr.nbytes)
+    with pytest.raises(RuntimeError, match="released|overwritten"):
+        view + 0
+    np.testing.assert_array_equal(arr, want)  # valid memory, the values it had
+    arr[:] = 1.0  # writing is safe too (no heap corruption)
+    assert all(bool((j == 7.0).all()) for j in junk)
+    del arr
+    gc.collect()
+    liveness.KEEPER.sweep()
+
+
+def test_item2_pool_growth_keeps_memory_behind_earlier_outputs() -> None:
+    net = Net()
+    config = graphgear.CompilerConfig()
+    config.mode = "reduce-overhead"
+    config.capture_config.warmup_iters = 0
+    f = torch.compile(net, backend=graphgear.get_backend(config))
+    small, big = torch.randn(2, 8), torch.randn(64, 8)
+    graphgear.set_dim_gears(small, {0: [2, 64]})
+    graphgear.set_dim_gears(big, {0: [2, 64]})
+    with torch.inference_mode():
+        out = f(small)
+        view, arr = out[0], out.numpy()
+        want = arr.copy()
+        out_big = f(big)  # a capture at the larger gear grows the pool's blocks
+    junk = _churn(arr.nbytes)
+    with pytest.raises(RuntimeError, match="overwritten"):
+        view + 0
+    np.testing.assert_array_equal(arr, want)
+    arr[:] = 0.0
+    assert all(bool((j == 7.0).all()) for j in junk)
+    torch.testing.assert_close(out_big, net(big))
+    assert len(graphgear.stats().graphs) == 1  # one FX graph, one pool: it grew
+
+
+def test_item3_without_liveness_support_outputs_are_cloned_with_a_warning(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(liveness, "poisoner", lambda: None)
+    net = Net()
+    f = torch.compile(net, backend=_ro(warmup_iters=0))
+    x1, x2 = torch.randn(2, 8), torch.randn(2, 8)
+    with torch.inference_mode():
+        with pytest.warns(UserWarning, match="returns copies"):
+            out1 = f(x1)
+        view = out1[:, -1]
+        out2 = f(x2)
+        torch.testing.assert_close(out1, net(x1))  # still its own values: a copy
+        torch.testing.assert_close(view, net(x1)[:, -1])
+        torch.testing.assert_close(out2, net(x2))
+    assert _rec().captures == 1
+
+
+def test_item3_build_without_a_compiler_falls_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    with caplog.at_level(logging.WARNING, logger="graphgear.capture.liveness"):
+        assert liveness.build_extension(tmp_path / "ext", timeout=120) is None
+    assert "could not build" in caplog.text and "clones its outputs" in caplog.text
+
+
+def test_item3_build_in_an_unwritable_folder_falls_back(tmp_path: Path,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with caplog.at_level(logging.WARNING, logger="graphgear.capture.liveness"):
+        assert liveness.build_extension(blocker / "ext", timeout=60) is None
+    assert "could not build" in caplog.text
+
+
+def test_item4_stale_build_lock_times_out_and_names_the_folder(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    folder = tmp_path / "ext"
+    folder.mkdir(mode=0o700)
+    (folder / "lock").write_text("")  # what a build killed half-way leaves behind
+    t0 = time.perf_counter()
+    with caplog.at_level(logging.WARNING, logger="graphgear.capture.liveness"):
+        assert liveness.build_extension(folder, timeout=8) is None
+    assert time.perf_counter() - t0 < 60
+    assert "stale build lock" in caplog.text and f"Delete the folder {folder}" in caplog.text
+
+
+class PadNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x)) + x
+
+
+_THREAD_MODES = {
+    "reduce-overhead": {},
+    "reduce-overhead-clone": {"clone_output": True},
+    "max-autotune": {"mode": "max-autotune"},
+    "run_eagerly": {"run_eagerly": True},
+}
+
+
+@pytest.mark.parametrize("padding", [False, True], ids=["plain", "padding"])
+@pytest.mark.parametrize("opts", list(_THREAD_MODES.values()), ids=list(_THREAD_MODES))
+def test_item5_threads_each_get_their_own_results(opts: dict, padding: bool) -> None:
+    torch.manual_seed(0)
+    net = PadNet().eval()
+    f = torch.compile(net, backend=_ro(gear_padding=padding, **opts))
+    sizes = [3, 4, 5, 8] if padding else [4, 4, 4, 4]
+    inputs = [torch.randn(n, 8) + i for i, n in enumerate(sizes)]
+    for x in inputs:
+        graphgear.set_dim_gears(x, {0: [2, 4, 8]})
+    with torch.no_grad():
+        wants = [net(x) for x in inputs]
+        # Build every graph key on one thread first: while any thread traces (make_fx,
+        # AOTAutograd), torch's process-wide FX tracing flag makes dynamo refuse calls of
+        # compiled functions in every other thread. Each thread still captures its own.
+        for x in inputs:
+            f(x)
+            f(x)
+    errors: list[str] = []
+    barrier = threading.Barrier(4)
+
+    def worker(k: int) -> None:
+        x, want = inputs[k], wants[k]
+        try:
+            barrier.wait()
+            with torch.no_grad():
+                for step in range(300):
+                    out = f(x)
+                    if out.shape != want.shape or not torch.allclose(out, want, atol=1e-5, rtol=1e-4):
+                        errors.append(f"thread {k} step {step}: wrong result")
+                        return
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(f"thread {k}: {type(e).__name__}: {e}\n{traceback.format_exc()}")
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors[:4]
+    if opts.get("mode") is None and not opts.get("run_eagerly"):
+        assert _rec().captures >= 1 + 4  # the main thread's, then one of its own per thread
+
+
+class _Boom(RuntimeError):
+    pass
+
+
+@torch.no_grad()
+def test_item7_failed_capture_mutates_inputs_exactly_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = CPUGraph.capture
+
+    def fails_after_running(self, args):  # type: ignore[no-untyped-def]
+        real(self, args)  # the graph ran (the cache was written) ...
+        raise _Boom("capture failed after the run")  # ... then the capture failed
+
+    monkeypatch.setattr(CPUGraph, "capture", fails_after_running)
+    net = AddCache()
+    f = torch.compile(net, backend=_ro(warmup_iters=0))
+    x = torch.randn(1, 8)
+    cache, ref_cache = torch.zeros(1, 8), torch.zeros(1, 8)
+    with pytest.warns(UserWarning, match="could not capture"):
+        out = f(x, cache)
+    want = net(x, ref_cache)
+    torch.testing.assert_close(cache, ref_cache)  # once, not twice
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(f(x, cache), net(x, ref_cache))
+    torch.testing.assert_close(cache, ref_cache)
+
+
+@torch.no_grad()
+def test_item7_failed_capture_with_raise_leaves_inputs_unchanged(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = CPUGraph.capture
+
+    def fails_after_running(self, args):  # type: ignore[no-untyped-def]
+        real(self, args)
+        raise _Boom("capture failed after the run")
+
+    monkeypatch.setattr(CPUGraph, "capture", fails_after_running)
+    f = torch.compile(AddCache(), backend=_ro(warmup_iters=0, fallback="raise"))
+    cache = torch.zeros(1, 8)
+    with pytest.raises(graphgear.CaptureError, match="inputs are unchanged"):
+        f(torch.randn(1, 8), cache)
+    assert bool((cache == 0).all())
+
+
+class Gather(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(8, 4))
+
+    def forward(self, idx: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        cache.add_(1.0)
+        return self.table[idx] * 2
+
+
+@torch.no_grad()
+def test_item7_the_graphs_own_error_reaches_the_caller_once() -> None:
+    net = Gather()
+    f = torch.compile(net, backend=_ro(warmup_iters=0))
+    cache = torch.zeros(3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "runs uncaptured" warning: the error is the graph's
+        with pytest.raises((IndexError, RuntimeError), match="index"):
+            f(torch.tensor([1, 99]), cache)  # out of range
+    assert bool((cache == 1).all())  # the mutation happened once, as in eager
+    good = torch.tensor([1, 2])
+    torch.testing.assert_close(f(good, cache), net(good, torch.zeros(3)))
+    r = _rec()
+    assert r.captures == 1 and r.fallbacks == []  # the next call still captures
+
+
+@torch.no_grad()
+def test_item9_capture_limit_holds_when_keys_round_robin() -> None:
+    net = Net()
+    f = torch.compile(net, backend=_ro(warmup_iters=1, capture_limit=2))
+    gears = [1, 2, 3, 4, 5]
+    xs = {n: torch.randn(n, 8) for n in gears}
+    for x in xs.values():
+        graphgear.set_dim_gears(x, {0: gears})
+    with pytest.warns(UserWarning, match="capture_limit=2"):
+        for _ in range(3):
+            for x in xs.values():
+                torch.testing.assert_close(f(x), net(x))
+    assert _rec().captures == 2
+    assert any(op == "capture_limit" for op, _ in _rec().fallbacks)
+
+
+class TwoCaches(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        cache.index_copy_(0, pos, self.lin(x))
+        return cache.sum(0, keepdim=True)
+
+
+@torch.no_grad()
+def test_item10_two_kv_caches_used_alternately_replay() -> None:
+    net = TwoCaches()
+    f = torch.compile(net, backend=_ro())
+    caches = [torch.zeros(6, 8), torch.zeros(6, 8)]
+    refs = [torch.zeros(6, 8), torch.zeros(6, 8)]
+    for step in range(12):
+        k = step % 2
+        x, pos = torch.randn(1, 8), torch.tensor([step // 2])
+        torch.testing.assert_close(f(x, pos, caches[k]), net(x, pos, refs[k]))
+        torch.testing.assert_close(caches[k], refs[k])
+    r = _rec()
+    assert r.captures == 1 and r.replays >= 10 and r.fallbacks == []
+
+
+@torch.no_grad()
+def test_item11_output_fed_back_as_next_input() -> None:
+    net = Net()
+    f = torch.compile(net, backend=_ro(clone_input=False))
+    x = ref = torch.randn(2, 8)
+    for _ in range(6):
+        x = f(x)
+        ref = net(ref)
+        torch.testing.assert_close(x, ref)
+    assert _rec().captures == 1
+
+
+def test_item16a_effect_tokens_in_reduce_overhead(capfd: pytest.CaptureFixture[str]) -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        torch.ops.aten._print("graphgear-effect")
+        return x * 2
+
+    f = torch.compile(fn, backend=_ro())
+    x = torch.randn(3)
+    for _ in range(4):
+        torch.testing.assert_close(f(x), x * 2)
+    printed = capfd.readouterr().out.count("graphgear-effect")
+    assert printed == 4  # the side effect runs on every call, captured or not
+
+
+def test_item18_reset_frees_a_custom_pools_memory() -> None:
+    pool = MemoryPool()
+    f = torch.compile(Net(), backend=_ro(warmup_iters=0, use_custom_pool=pool))
+    with torch.no_grad():
+        f(torch.randn(2, 8))
+        f(torch.randn(2, 8))
+    assert pool.nbytes > 0
+    graphgear.reset()
+    assert pool.nbytes == 0 and "0 blocks" in repr(pool)
