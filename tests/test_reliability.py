@@ -1,0 +1,126 @@
+"""Reliability fixes from the project tracker, one section per group of items; every
+result is checked against eager PyTorch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import fx
+
+import graphgear
+from graphgear import GearError
+from tests.helpers import assert_close
+
+aten = torch.ops.aten
+
+# ---- passes, gears and backend (items 6, 8, 12, 13, 14, 15) ----
+
+MODES = ["eager", "max-autotune", "reduce-overhead"]
+
+
+def _config(mode: str, **opts: object) -> graphgear.CompilerConfig:
+    cfg = graphgear.CompilerConfig()
+    if mode == "eager":
+        cfg.debug.run_eagerly = True
+    else:
+        cfg.mode = mode
+    graphgear.config.apply_options(cfg, opts)
+    return cfg
+
+
+def _backend(mode: str, **opts: object) -> graphgear.GraphgearBackend:
+    return graphgear.get_backend(compiler_config=_config(mode, **opts))
+
+
+class _NoopOutputs(torch.nn.Module):
+    """Returns ``x + 0``, ``self.w * 1`` and ``(x * 1).view(-1)``: removing the no-ops
+    would hand back the input, the weight, and a view of the input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4, 3))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return x + 0, self.w * 1, (x * 1).view(-1), self.w.view(12) * 1
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_item6_noop_removal_never_aliases_outputs_to_inputs_or_weights(mode: str) -> None:
+    model = _NoopOutputs()
+    w_before = model.w.detach().clone()
+    compiled = torch.compile(model, backend=_backend(mode))
+    x = torch.randn(4, 3)
+    x_before = x.clone()
+    for _ in range(3):  # reduce-overhead: warm-up, capture, replay
+        with torch.no_grad():
+            outs = compiled(x)
+            expected = model(x)
+        assert_close(outs, expected)
+        for i, out in enumerate(outs):
+            for what, t in (("x", x), ("w", model.w)):
+                assert out.untyped_storage().data_ptr() != t.untyped_storage().data_ptr(), (
+                    f"{mode}: output {i} shares memory with {what}"
+                )
+            out.mul_(0)
+        torch.testing.assert_close(model.w.detach(), w_before)
+        torch.testing.assert_close(x, x_before)
+
+
+def test_item6_noop_removal_keeps_distinct_outputs_and_removes_the_rest() -> None:
+    from graphgear.passes.noop import RemoveNoopOps
+
+    def f(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        a = x.relu()
+        return a + 0, a * 1, (x + 0).relu()  # two outputs must not become one tensor
+
+    gm = torch.fx.experimental.proxy_tensor.make_fx(f, tracing_mode="fake")(torch.randn(3))
+    removed = RemoveNoopOps()(gm, [], _config("eager"))
+    gm.recompile()
+    x = torch.randn(3)
+    outs = gm(x)
+    assert_close(outs, f(x))
+    assert outs[0].untyped_storage().data_ptr() != outs[1].untyped_storage().data_ptr()
+    assert removed == 2  # one of a + 0 / a * 1, and the x + 0 under relu
+
+
+def _kwarg_write_graph() -> tuple[fx.GraphModule, list[torch.Tensor]]:
+    """An aten graph whose KV-cache write passes the cache as a keyword: ``self=cache``."""
+
+    def f(cache: torch.Tensor, idx: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor]:
+        aten.index_copy_.default(cache, 0, idx, v)
+        return (v * 2,)
+
+    args = [torch.zeros(6, 3), torch.tensor([1, 4]), torch.randn(2, 3)]
+    gm = torch.fx.experimental.proxy_tensor.make_fx(f)(*args)
+    (node,) = [n for n in gm.graph.nodes if n.target is aten.index_copy_.default]
+    names = [a.name for a in aten.index_copy_.default._schema.arguments]
+    node.kwargs = dict(zip(names, node.args))
+    node.args = ()
+    gm.recompile()
+    return gm, args
+
+
+def test_item15_mutated_placeholders_reads_keyword_arguments() -> None:
+    from graphgear.inputs import mutated_placeholders
+
+    gm, _ = _kwarg_write_graph()
+    assert mutated_placeholders(gm) == [0]
+
+    # a keyword-only mutable argument: add.out(x, y, out=dst) writes dst
+    g = fx.Graph()
+    x, y, dst = g.placeholder("x"), g.placeholder("y"), g.placeholder("dst")
+    g.output(g.call_function(aten.add.out, (x, y), {"out": dst}))
+    assert mutated_placeholders(fx.GraphModule(torch.nn.Module(), g)) == [2]
+
+
+def test_item15_keyword_cache_write_reaches_the_callers_tensor() -> None:
+    # reduce-overhead copies inputs it does not know to be mutated into static buffers:
+    # a missed mutation would write the buffer, not the caller's cache
+    gm, args = _kwarg_write_graph()
+    compiled = graphgear.get_compiler(_config("reduce-overhead"))(gm, args)
+    for step in range(3):  # reduce-overhead: warm-up, capture, replay
+        cache, idx, v = torch.zeros(6, 3), torch.tensor([step, 5 - step]), torch.randn(2, 3)
+        expected_cache = cache.clone().index_copy_(0, idx, v)
+        out = compiled(cache, idx, v)
+        assert_close(out, (v * 2,))
+        torch.testing.assert_close(cache, expected_cache, msg=lambda m, s=step: f"step {s}: {m}")
