@@ -124,3 +124,19 @@ def test_item15_keyword_cache_write_reaches_the_callers_tensor() -> None:
         out = compiled(cache, idx, v)
         assert_close(out, (v * 2,))
         torch.testing.assert_close(cache, expected_cache, msg=lambda m, s=step: f"step {s}: {m}")
+
+
+def test_item13_get_compiler_on_make_fx_graph_in_max_autotune() -> None:
+    lin = torch.nn.Linear(8, 4)
+
+    def f(x: torch.Tensor) -> tuple[torch.Tensor]:
+        return (torch.nn.functional.gelu(lin(x)),)
+
+    x = torch.randn(3, 8)
+    gm = torch.fx.experimental.proxy_tensor.make_fx(f)(x)
+    assert any(n.target is aten.t.default for n in gm.graph.nodes)  # what Inductor rejected
+    compiled = graphgear.get_compiler(_config("max-autotune"))(gm, [x])
+    for _ in range(2):
+        x = torch.randn(3, 8)
+        with torch.no_grad():
+            assert_close(compiled(x), f(x))

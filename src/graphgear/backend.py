@@ -110,6 +110,29 @@ def default_decompositions(config: CompilerConfig) -> dict[Any, Any]:
     return {}
 
 
+def decompose_aten_graph(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], table: Mapping[Any, Callable[..., Any]]
+) -> fx.GraphModule:
+    """``gm`` (an aten graph, as ``make_fx`` gives it) re-traced with the decompositions
+    in ``table`` applied, as AOTAutograd applies them to dynamo's graphs; ``gm`` itself
+    when the table is empty. Traced on fake tensors (the example inputs' own fake mode
+    when they are fake, keeping their symbolic sizes), so no real work runs."""
+    if not table:
+        return gm
+    from torch._guards import detect_fake_mode, tracing
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    fake_mode = detect_fake_mode(list(example_inputs))
+    with unset_fake_temporarily(), tracing(None):
+        if fake_mode is not None:
+            with fake_mode:
+                return make_fx(gm, decomposition_table=dict(table), tracing_mode="real",
+                               record_module_stack=False)(*example_inputs)
+        return make_fx(gm, decomposition_table=dict(table), tracing_mode="fake",
+                       _allow_non_fake_inputs=True, record_module_stack=False)(*example_inputs)
+
+
 def _aot_module_simplified(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
     from torch._functorch.aot_autograd import aot_module_simplified
 
@@ -258,14 +281,17 @@ def _is_aten_graph(gm: fx.GraphModule) -> bool:
 def get_compiler(config: CompilerConfig | None = None) -> Callable[[fx.GraphModule, Sequence[Any]], Callable[..., Any]]:
     """The FX compiler alone: ``compiler(gm, example_inputs) -> callable``.
 
-    Aten-level graphs (``make_fx``) go straight to the mode's compiler; torch-level
-    graphs (dynamo, ``symbolic_trace``) go through the whole pipeline first.
+    Aten-level graphs (``make_fx``) go straight to the mode's compiler, after the mode's
+    decompositions (Inductor's table in max-autotune: Inductor lowers ``aten.t`` and
+    friends only through them); torch-level graphs (dynamo, ``symbolic_trace``) go
+    through the whole pipeline first.
     """
     config = (config or CompilerConfig()).copy()
     backend = GraphgearBackend(config)
 
     def compiler(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         if _is_aten_graph(gm):
+            gm = decompose_aten_graph(gm, example_inputs, default_decompositions(config))
             return compile_graph(gm, example_inputs, config=config, stage="inference", static_inputs=[])
         out = next(iter(gm.graph.find_nodes(op="output")))
         if isinstance(out.args[0], tuple | list):
