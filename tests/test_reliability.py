@@ -140,3 +140,33 @@ def test_item13_get_compiler_on_make_fx_graph_in_max_autotune() -> None:
         x = torch.randn(3, 8)
         with torch.no_grad():
             assert_close(compiled(x), f(x))
+
+
+class _LinearRelu(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).relu()
+
+
+@pytest.mark.parametrize("mode", ["eager", "max-autotune"])
+def test_item14_gears_land_on_the_user_input_after_lifted_parameters(mode: str) -> None:
+    # a symbolic_trace graph keeps its parameters as attributes: AOTAutograd lifts them
+    # to the front of the graph's inputs, so the geared x is the last input, not input 0
+    model = _LinearRelu().eval()
+    gm = torch.fx.symbolic_trace(model)
+    x = torch.randn(4, 16)
+    graphgear.set_dim_gears(x, {0: [2, 4]})
+    compiled = graphgear.get_compiler(_config(mode))(gm, [x])
+    with torch.no_grad():
+        assert_close(compiled(x), model(x))
+    (rec,) = [g for g in graphgear.stats().graphs if g.stage in ("forward", "inference")]
+    assert rec.inputs[-1] == "x" and len(rec.inputs) == 3, rec.inputs
+
+    # the gear is checked on x, and the error names it
+    bad = torch.randn(3, 16)
+    graphgear.set_dim_gears(bad, {0: [2, 4]})
+    with pytest.raises(GearError, match=r"input 'x' has size 3 at dim 0.*\[2, 4\]"):
+        graphgear.get_compiler(_config(mode))(torch.fx.symbolic_trace(model), [bad])

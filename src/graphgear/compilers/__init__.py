@@ -67,8 +67,11 @@ def compile_graph(
     record = new_record(stage, mode)
     t0 = time.perf_counter()
     placeholders = [n.name for n in gm.graph.find_nodes(op="placeholder")]
-    names = list(input_names) if input_names is not None and len(input_names) == len(placeholders) \
-        else placeholders
+    names = placeholders
+    if input_names is not None and stage != "backward" and len(input_names) <= len(placeholders):
+        # the user's inputs are the last ones: AOTAutograd puts the parameters it lifts
+        # and its effect tokens in front of them
+        names = placeholders[: len(placeholders) - len(input_names)] + list(input_names)
     record.inputs = names
     debug.dump_graph(gm, config, record.name, stage)
     post_grad_pass_manager(config).run(gm, example_inputs, config, record)
