@@ -170,3 +170,64 @@ def test_item14_gears_land_on_the_user_input_after_lifted_parameters(mode: str) 
     graphgear.set_dim_gears(bad, {0: [2, 4]})
     with pytest.raises(GearError, match=r"input 'x' has size 3 at dim 0.*\[2, 4\]"):
         graphgear.get_compiler(_config(mode))(torch.fx.symbolic_trace(model), [bad])
+
+
+def test_item12_rotary_op_real_and_fake_strides_agree_on_transposed_inputs() -> None:
+    from graphgear.passes.ops import rotary_rotate_half
+
+    op = torch.ops.graphgear.rotary_rotate_half.default
+    # q and k as HF models pass them: proj(x).view(B, S, H, D).transpose(1, 2)
+    q = torch.randn(2, 5, 4, 8, dtype=torch.float64).transpose(1, 2)
+    k = torch.randn(2, 5, 2, 8, dtype=torch.float64).transpose(1, 2)
+    cos = torch.randn(2, 1, 5, 8, dtype=torch.float64)
+    sin = torch.randn(2, 1, 5, 8, dtype=torch.float64)
+    for x in (q, k, q[..., :4]):  # also a sliced, non-contiguous last dim
+        assert not x.is_contiguous()
+        c, s = cos[..., : x.shape[-1]], sin[..., : x.shape[-1]]
+        torch.library.opcheck(op, (x, c, s))  # fake vs real strides, AOT dispatch
+        torch.library.opcheck(op, (x.detach().requires_grad_(True), c, s))
+        out = rotary_rotate_half(x, c, s)
+        with torch._subclasses.FakeTensorMode() as mode:
+            fake = op(mode.from_tensor(x), mode.from_tensor(c), mode.from_tensor(s))
+        assert out.stride() == fake.stride() and out.is_contiguous()
+        half = x.shape[-1] // 2
+        ref = x * c + torch.cat((-x[..., half:], x[..., :half]), -1) * s
+        torch.testing.assert_close(out, ref)
+        xg, cg, sg = (t.detach().clone().requires_grad_(True) for t in (x, c, s))
+        torch.autograd.gradcheck(rotary_rotate_half, (xg, cg, sg))
+        # the backward of a non-contiguous x
+        xt = torch.randn(2, 5, 4, 8, dtype=torch.float64, requires_grad=True)
+        rotary_rotate_half(xt.transpose(1, 2), cos, sin).sum().backward()
+        xr = xt.detach().clone().requires_grad_(True)
+        xv = xr.transpose(1, 2)
+        (xv * cos + torch.cat((-xv[..., 4:], xv[..., :4]), -1) * sin).sum().backward()
+        torch.testing.assert_close(xt.grad, xr.grad)
+
+
+def _qwen2() -> torch.nn.Module:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                      max_position_embeddings=64)
+    cfg._attn_implementation = "eager"
+    return Qwen2ForCausalLM(cfg)
+
+
+@pytest.mark.slow
+def test_item12_qwen2_training_with_fx_passes_in_reduce_overhead() -> None:
+    from tests.helpers import check_against_eager
+
+    cfg = _config("reduce-overhead", fx_passes=True)
+    fused: list[bool] = []
+
+    def spy(gm: fx.GraphModule, example_inputs: object, config: object) -> None:
+        fused.append(any(n.target is torch.ops.graphgear.rotary_rotate_half.default
+                         for n in gm.graph.nodes))
+
+    cfg.experimental_config.post_grad_custom_post_pass = spy
+    model = _qwen2().train()
+    check_against_eager(model, lambda: [torch.randint(0, 128, (2, 8))],
+                        lambda m: torch.compile(m, backend=graphgear.get_backend(cfg)),
+                        train=True, steps=3, loss_fn=lambda out: out.logits.square().mean())
+    assert any(fused), "the rotary fusion did not fire: the test would not cover the op"
