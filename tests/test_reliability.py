@@ -3,6 +3,8 @@ result is checked against eager PyTorch."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import fx
@@ -231,3 +233,44 @@ def test_item12_qwen2_training_with_fx_passes_in_reduce_overhead() -> None:
                         lambda m: torch.compile(m, backend=graphgear.get_backend(cfg)),
                         train=True, steps=3, loss_fn=lambda out: out.logits.square().mean())
     assert any(fused), "the rotary fusion did not fire: the test would not cover the op"
+
+
+def _geared_rows(n: int) -> torch.Tensor:
+    x = torch.randn(n, 3)
+    graphgear.set_dim_gears(x, {0: [2, 4]})
+    return x
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_item8_padding_refuses_outputs_sized_by_an_expression_of_the_gear(mode: str) -> None:
+    def f(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x.relu(), torch.cat([x, x * 2])  # rows [x, 2x]: padding puts zeros mid-way
+
+    def g(x: torch.Tensor) -> torch.Tensor:
+        return (x + 1).reshape(-1)
+
+    def h(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = x @ w  # rows independent: dims of size s are sliced back, size 0 included
+        return y, (y[:, None, :] * y[None, :, :]).sum(-1)  # (s, 3) and (s, s)
+
+    cf = torch.compile(f, backend=_backend(mode, gear_padding=True))
+    cg = torch.compile(g, backend=_backend(mode, gear_padding=True))
+    ch = torch.compile(h, backend=_backend(mode, gear_padding=True))
+    w = torch.randn(3, 3)
+    for n in (4, 3, 0, 2, 1):
+        x = _geared_rows(n)
+        out = ch(x, w)
+        assert [tuple(t.shape) for t in out] == [(n, 3), (n, n)]
+        assert_close(out, h(x, w))
+        if n in (2, 4):  # gears: no padding, exact results
+            assert_close(cf(x), f(x))
+            assert_close(cg(x), g(x))
+            continue
+        with pytest.raises(GearError) as e:
+            cf(x)
+        msg = str(e.value)
+        assert "input 'x' dim 0" in msg and f"has size {n}, padded to gear" in msg, msg
+        assert re.search(r"output 1 \(\w+\) has size 2\*s\d+ at dim 0", msg), msg
+        assert "gear_padding = False" in msg and "[2, 4]" in msg, msg
+        with pytest.raises(GearError, match=r"output 0 \(\w+\) has size 3\*s\d+ at dim 0"):
+            cg(x)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from torch import fx
 
 from .. import debug
-from ..gears import GearedGraph, GearPlan, output_specs
+from ..gears import GearedGraph, GearPlan, output_specs, unsliceable_outputs
 from ..inputs import mutated_placeholders, static_input_indices
 from ..passes import post_grad_pass_manager
 from ..shapes import ShapeInfo, specialize
@@ -145,6 +145,7 @@ def _compile_by_shape(
         build,
         padding=ctx.config.inference_config.gear_padding,
         out_specs=output_specs(gm, info),
+        unsliceable=unsliceable_outputs(gm, info),
         mutated=ctx.mutated_inputs,
         record=ctx.record,
         # reduce-overhead captures on the call after its warm-up runs
