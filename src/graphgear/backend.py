@@ -70,18 +70,44 @@ def _set_gear_to_compiler(
     config: CompilerConfig,
     input_dim_gears: Mapping[int, Mapping[int, list[int]]],
     names: Sequence[str] = (),
+    num_inputs: int | None = None,
 ) -> Callable[..., Any]:
-    """Record each input's gears on the compiler's example inputs and check them."""
+    """Record each input's gears on the compiler's example inputs and check them.
+
+    ``input_dim_gears`` is keyed by the position among the ``num_inputs`` inputs dynamo
+    handed over (default ``len(names)``). AOTAutograd puts what it adds (parameters it
+    lifts out of the graph module, effect tokens) in front of them, so the gears are
+    placed counting from the end, as TorchAir does (``inputs[i - len(example_inputs)]``).
+    """
+    n = len(names) if num_inputs is None else num_inputs
 
     @functools.wraps(compiler)
     def gear_compiler(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
+        added = len(example_inputs) - n  # inputs AOTAutograd put in front of the user's
         for i, dim_gears in input_dim_gears.items():
-            if i < len(example_inputs) and isinstance(example_inputs[i], torch.Tensor):
-                set_dim_gears(example_inputs[i], dict(dim_gears))
-        guard_gears_shape(example_inputs, names)
+            j = i + added
+            if 0 <= j < len(example_inputs) and isinstance(example_inputs[j], torch.Tensor):
+                set_dim_gears(example_inputs[j], dict(dim_gears))
+            else:
+                log.warning(
+                    "graphgear: gears %s of input %d were not applied: the compiled graph has "
+                    "%d inputs for dynamo's %d", dict(dim_gears), i, len(example_inputs), n,
+                )
+        guard_gears_shape(example_inputs, aligned_input_names(gm, names, n))
         return compiler(gm, example_inputs)
 
     return gear_compiler
+
+
+def aligned_input_names(gm: fx.GraphModule, names: Sequence[str], num_inputs: int) -> list[str]:
+    """Names for every placeholder of an AOT forward or inference graph: the user's names
+    for the last ``num_inputs`` (dynamo's inputs), the placeholder's own name for what
+    AOTAutograd put in front of them."""
+    placeholders = [p.name for p in gm.graph.find_nodes(op="placeholder")]
+    added = len(placeholders) - num_inputs
+    if added < 0 or len(names) != num_inputs:
+        return placeholders
+    return placeholders[:added] + list(names)
 
 
 def _get_partition_fn(config: CompilerConfig, pre_grad_done: bool = False) -> Callable[..., Any]:
@@ -108,6 +134,29 @@ def default_decompositions(config: CompilerConfig) -> dict[Any, Any]:
 
         return inductor_decompositions()
     return {}
+
+
+def decompose_aten_graph(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], table: Mapping[Any, Callable[..., Any]]
+) -> fx.GraphModule:
+    """``gm`` (an aten graph, as ``make_fx`` gives it) re-traced with the decompositions
+    in ``table`` applied, as AOTAutograd applies them to dynamo's graphs; ``gm`` itself
+    when the table is empty. Traced on fake tensors (the example inputs' own fake mode
+    when they are fake, keeping their symbolic sizes), so no real work runs."""
+    if not table:
+        return gm
+    from torch._guards import detect_fake_mode, tracing
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    fake_mode = detect_fake_mode(list(example_inputs))
+    with unset_fake_temporarily(), tracing(None):
+        if fake_mode is not None:
+            with fake_mode:
+                return make_fx(gm, decomposition_table=dict(table), tracing_mode="real",
+                               record_module_stack=False)(*example_inputs)
+        return make_fx(gm, decomposition_table=dict(table), tracing_mode="fake",
+                       _allow_non_fake_inputs=True, record_module_stack=False)(*example_inputs)
 
 
 def _aot_module_simplified(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
@@ -202,9 +251,10 @@ class GraphgearBackend:
             compile_graph, config=config, input_names=inputs.names, boxed=True
         )
         fw_compiler, inference_compiler, joint_compiler = _wrap_compiler(compiler, config)
-        fw_compiler = _set_gear_to_compiler(fw_compiler, config, inputs.dim_gears, inputs.names)
+        n = len(example_inputs)
+        fw_compiler = _set_gear_to_compiler(fw_compiler, config, inputs.dim_gears, inputs.names, n)
         inference_compiler = _set_gear_to_compiler(
-            inference_compiler, config, inputs.dim_gears, inputs.names
+            inference_compiler, config, inputs.dim_gears, inputs.names, n
         )
         decompositions = default_decompositions(config)
         decompositions.update(self.custom_decompositions)
@@ -258,14 +308,17 @@ def _is_aten_graph(gm: fx.GraphModule) -> bool:
 def get_compiler(config: CompilerConfig | None = None) -> Callable[[fx.GraphModule, Sequence[Any]], Callable[..., Any]]:
     """The FX compiler alone: ``compiler(gm, example_inputs) -> callable``.
 
-    Aten-level graphs (``make_fx``) go straight to the mode's compiler; torch-level
-    graphs (dynamo, ``symbolic_trace``) go through the whole pipeline first.
+    Aten-level graphs (``make_fx``) go straight to the mode's compiler, after the mode's
+    decompositions (Inductor's table in max-autotune: Inductor lowers ``aten.t`` and
+    friends only through them); torch-level graphs (dynamo, ``symbolic_trace``) go
+    through the whole pipeline first.
     """
     config = (config or CompilerConfig()).copy()
     backend = GraphgearBackend(config)
 
     def compiler(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         if _is_aten_graph(gm):
+            gm = decompose_aten_graph(gm, example_inputs, default_decompositions(config))
             return compile_graph(gm, example_inputs, config=config, stage="inference", static_inputs=[])
         out = next(iter(gm.graph.find_nodes(op="output")))
         if isinstance(out.args[0], tuple | list):

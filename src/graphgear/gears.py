@@ -101,6 +101,7 @@ def restore_global_settings() -> None:
 
 # --------------------------------------------------------------------------- plan
 
+import dataclasses  # noqa: E402
 import itertools  # noqa: E402
 import logging  # noqa: E402
 import threading  # noqa: E402
@@ -278,12 +279,14 @@ class GearedGraph:
         mutated: Sequence[int],
         record: Any,
         calls_to_build: int = 1,
+        unsliceable: Sequence[UnsliceableDim] = (),
     ) -> None:
         self.info = info
         self.plan = plan
         self.build = build
         self.padding = padding
         self.out_specs = out_specs  # per output: {dim: symbol index} for dims of a geared symbol
+        self.unsliceable = list(unsliceable)  # output dims whose size is an expression of one
         self.mutated = list(mutated)
         self.record = record
         self.compiled: dict[tuple[int, ...], Callable[..., Any]] = {}
@@ -322,6 +325,7 @@ class GearedGraph:
     def _run_padded(self, args: Sequence[Any], key: tuple[int, ...], target: tuple[int, ...]) -> Any:
         info = self.info
         grow = {i: (key[i], target[i]) for i in range(len(key)) if key[i] != target[i]}
+        self._check_sliceable(key, target, grow)
         size = info.size_at(target)
         new_args = list(args)
         padded: list[int] = []
@@ -348,6 +352,34 @@ class GearedGraph:
             if j in self.mutated:  # write the real rows back into the caller's tensor
                 args[j].copy_(new_args[j][tuple(slice(0, n) for n in args[j].shape)])
         return self._slice_outputs(out, grow)
+
+    def _check_sliceable(
+        self, key: tuple[int, ...], target: tuple[int, ...], grow: dict[int, tuple[int, int]]
+    ) -> None:
+        """Refuse, before any work, to pad a size that an output carries in an expression
+        (``2*s`` from ``cat([x, x])``, ``3*s`` from ``reshape(-1)``): the padded rows sit
+        inside the result, not at its end, so no slice gives the real values."""
+        for u in self.unsliceable:
+            hit = sorted(i for i in u.symbols if i in grow)
+            if not hit:
+                continue
+            assert self.plan is not None
+            padded = "; ".join(
+                f"input {self.plan.where[i][0]!r} dim {self.plan.where[i][1]} "
+                f"({self.info.symbols[i]}) has size {grow[i][0]}, padded to gear {grow[i][1]}"
+                for i in hit
+            )
+            gears = ", ".join(
+                f"{self.plan.where[i][0]!r} dim {self.plan.where[i][1]}: {self.plan.sym_gears[i]}"
+                for i in hit
+            )
+            raise GearError(
+                f"graphgear: gear padding cannot run this call: {padded}, but output "
+                f"{u.output} ({u.node}) has size {u.expr} at dim {u.dim}, an expression of "
+                "the padded size, so the real values cannot be sliced out of the padded "
+                f"result. Pass sizes that are gears ({gears}), or turn padding off "
+                "(config.inference_config.gear_padding = False)."
+            )
 
     def _slice_outputs(self, out: Any, grow: dict[int, tuple[int, int]]) -> Any:
         seq = list(out) if isinstance(out, list | tuple) else [out]
@@ -421,6 +453,39 @@ def output_specs(gm: Any, info: ShapeInfo) -> list[dict[int, int]]:
                     spec[d] = info.symbols.index(s.node.expr)
         specs.append(spec)
     return specs
+
+
+@dataclasses.dataclass(frozen=True)
+class UnsliceableDim:
+    """An output dim whose size is an expression of graph-key symbols other than one
+    symbol itself (``2*s0``, ``3*s0``, ``s0 + 1``): padding those symbols cannot be
+    undone by slicing."""
+
+    output: int  # index among the graph's outputs
+    node: str  # the output node's name
+    dim: int
+    expr: str
+    symbols: frozenset[int]  # indices into ShapeInfo.symbols
+
+
+def unsliceable_outputs(gm: Any, info: ShapeInfo) -> list[UnsliceableDim]:
+    """Every output dim whose size depends on a graph-key symbol without being it."""
+    out_node = next(iter(gm.graph.find_nodes(op="output")))
+    outs = out_node.args[0]
+    outs = outs if isinstance(outs, list | tuple) else [outs]
+    index = {s: i for i, s in enumerate(info.symbols)}
+    found: list[UnsliceableDim] = []
+    for k, o in enumerate(outs):
+        v = o.meta.get("val") if hasattr(o, "meta") else None
+        if not isinstance(v, torch.Tensor):
+            continue
+        for d, s in enumerate(v.shape):
+            if not isinstance(s, torch.SymInt) or s.node.expr in index:
+                continue
+            syms = frozenset(index[f] for f in s.node.expr.free_symbols if f in index)
+            if syms:
+                found.append(UnsliceableDim(k, o.name, d, str(s.node.expr), syms))
+    return found
 
 
 class precompile_gears:  # noqa: N801 - used like a function

@@ -13,7 +13,13 @@ from typing import Any
 import torch
 from torch import fx
 
-__all__ = ["GraphInputs", "dynamo_input_names", "mutated_placeholders", "static_input_indices"]
+__all__ = [
+    "GraphInputs",
+    "dynamo_input_names",
+    "mutated_placeholders",
+    "static_input_indices",
+    "written_arguments",
+]
 
 
 @dataclasses.dataclass
@@ -66,24 +72,38 @@ def static_input_indices(num_inputs: int) -> list[int]:
     return [i for i in idx if i < num_inputs]
 
 
-_INPLACE_COPY = {torch.ops.aten.copy_.default}
-
-
 def mutated_placeholders(gm: fx.GraphModule) -> list[int]:
     """Indices of placeholders written in place by the graph (KV caches)."""
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     index = {p: i for i, p in enumerate(placeholders)}
     out: set[int] = set()
     for node in gm.graph.nodes:
-        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
-            continue
-        schema = node.target._schema
-        for a, arg in zip(schema.arguments, node.args):
-            if a.alias_info is not None and a.alias_info.is_write and isinstance(arg, fx.Node):
-                base = _view_base(arg)
-                if base in index:
-                    out.add(index[base])
+        for arg in written_arguments(node):
+            base = _view_base(arg)
+            if base in index:
+                out.add(index[base])
     return sorted(out)
+
+
+def written_arguments(node: fx.Node) -> list[fx.Node]:
+    """The nodes an op call writes in place: every argument its schema marks mutable
+    (``Tensor(a!)``, also inside lists), whether passed positionally or as a keyword
+    (``copy_(self=dst, src=x)``, a keyword-only ``out=``)."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return []
+    out: list[fx.Node] = []
+    for i, a in enumerate(node.target._schema.arguments):
+        if a.alias_info is None or not a.alias_info.is_write:
+            continue
+        if i < len(node.args) and not a.kwarg_only:
+            value = node.args[i]
+        elif a.name in node.kwargs:
+            value = node.kwargs[a.name]
+        else:
+            continue
+        values = value if isinstance(value, list | tuple) else [value]
+        out.extend(v for v in values if isinstance(v, fx.Node))
+    return out
 
 
 def _view_base(node: fx.Node) -> fx.Node:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from torch import fx
 
 from .. import debug
-from ..gears import GearedGraph, GearPlan, output_specs
+from ..gears import GearedGraph, GearPlan, output_specs, unsliceable_outputs
 from ..inputs import mutated_placeholders, static_input_indices
 from ..passes import post_grad_pass_manager
 from ..shapes import ShapeInfo, specialize
@@ -67,8 +67,11 @@ def compile_graph(
     record = new_record(stage, mode)
     t0 = time.perf_counter()
     placeholders = [n.name for n in gm.graph.find_nodes(op="placeholder")]
-    names = list(input_names) if input_names is not None and len(input_names) == len(placeholders) \
-        else placeholders
+    names = placeholders
+    if input_names is not None and stage != "backward" and len(input_names) <= len(placeholders):
+        # the user's inputs are the last ones: AOTAutograd puts the parameters it lifts
+        # and its effect tokens in front of them
+        names = placeholders[: len(placeholders) - len(input_names)] + list(input_names)
     record.inputs = names
     debug.dump_graph(gm, config, record.name, stage)
     post_grad_pass_manager(config).run(gm, example_inputs, config, record)
@@ -142,6 +145,7 @@ def _compile_by_shape(
         build,
         padding=ctx.config.inference_config.gear_padding,
         out_specs=output_specs(gm, info),
+        unsliceable=unsliceable_outputs(gm, info),
         mutated=ctx.mutated_inputs,
         record=ctx.record,
         # reduce-overhead captures on the call after its warm-up runs

@@ -42,6 +42,15 @@ def _rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
     return x * cos + _rotate_half(x) * sin
 
 
+def _rotary_out_meta(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Size, torch.dtype]:
+    """The output's shape and dtype: broadcast and promoted over the three inputs."""
+    shape = torch.broadcast_shapes(x.shape, cos.shape, sin.shape)
+    dtype = torch.promote_types(torch.promote_types(x.dtype, cos.dtype), sin.dtype)
+    return shape, dtype
+
+
 @torch.library.custom_op("graphgear::rotary_rotate_half", mutates_args=())
 def rotary_rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """``x * cos + rotate_half(x) * sin`` in three kernels and no concatenation.
@@ -49,18 +58,24 @@ def rotary_rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
     The halves are written in place into the product ``x * cos``:
     ``out[:h] += (-x[h:]) * sin[:h]`` and ``out[h:] += x[:h] * sin[h:]``. Each element
     sees the same two roundings as the unfused formula (a product, then a sum).
+
+    The output is always a new contiguous tensor, whatever the layout of ``x`` (models
+    pass ``q.transpose(1, 2)``), exactly as the fake implementation says: graphs traced
+    with the fake's strides view the output by them (``_unsafe_view`` after a matmul).
     """
     if x.shape[-1] % 2:
         raise ValueError(
             f"graphgear::rotary_rotate_half: the last dim of x must be even, got "
             f"shape {tuple(x.shape)}."
         )
-    out = torch.mul(x, cos)
-    if out.shape != x.shape or out.dtype != x.dtype:
-        # cos broadcasts to more dims than x, or promotes: use the plain formula
-        return _rotary_reference(x, cos, sin)
+    shape, dtype = _rotary_out_meta(x, cos, sin)
+    out = torch.empty(shape, dtype=dtype, device=x.device)  # contiguous, as the fake
+    if shape != x.shape or dtype != x.dtype:
+        # cos or sin broadcasts to more dims than x, or promotes: the plain formula
+        return out.copy_(_rotary_reference(x, cos, sin))
+    torch.mul(x, cos, out=out)
     h = x.shape[-1] // 2
-    sin_b = sin.expand(out.shape) if sin.dim() <= out.dim() else sin
+    sin_b = sin.expand(shape)
     out[..., :h].add_(x[..., h:] * sin_b[..., :h], alpha=-1)
     out[..., h:].add_(x[..., :h] * sin_b[..., h:])
     return out
@@ -68,9 +83,8 @@ def rotary_rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
 
 @rotary_rotate_half.register_fake
 def _rotary_fake(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    shape = torch.broadcast_shapes(x.shape, cos.shape, sin.shape)
-    dtype = torch.promote_types(torch.promote_types(x.dtype, cos.dtype), sin.dtype)
-    return x.new_empty(shape, dtype=dtype)
+    shape, dtype = _rotary_out_meta(x, cos, sin)
+    return x.new_empty(shape, dtype=dtype)  # contiguous, as the real kernel
 
 
 def _rotary_setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
