@@ -96,3 +96,88 @@ def test_cuda_training_gradients_equal_eager() -> None:
             p.grad = None
             q.grad = None
     assert _rec("forward").captures == 1 and _rec("backward").captures == 1
+
+
+@pytest.mark.parametrize("make_view", [lambda t: t[:, -1], lambda t: t.t(), lambda t: t.view(-1)],
+                         ids=["slice", "t", "view"])
+def test_cuda_views_under_inference_mode_raise_when_stale(make_view) -> None:  # type: ignore[no-untyped-def]
+    net = nn.Linear(16, 16).cuda()
+    f = torch.compile(net, backend=_ro(warmup_iters=0))
+    x1, x2 = torch.randn(2, 16, device="cuda"), torch.randn(2, 16, device="cuda")
+    with torch.inference_mode():
+        view = make_view(f(x1))
+        torch.testing.assert_close(view, make_view(net(x1)))
+        out = f(x2)
+        with pytest.raises(RuntimeError, match="overwritten"):
+            view + 0
+        torch.testing.assert_close(out, net(x2))
+        graphgear.reset()
+        with pytest.raises(RuntimeError, match="overwritten|released"):
+            out + 0
+
+
+@torch.no_grad()
+def test_cuda_threads_each_get_their_own_results() -> None:
+    import threading
+
+    net = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)).cuda()
+    f = torch.compile(net, backend=_ro())
+    xs = [torch.randn(4, 16, device="cuda") + k for k in range(4)]
+    wants = [net(x) for x in xs]
+    f(xs[0])
+    f(xs[0])  # compiled (and captured once) on the main thread first
+    errors: list[str] = []
+    barrier = threading.Barrier(4)
+
+    def worker(k: int) -> None:
+        try:
+            barrier.wait()
+            with torch.no_grad():
+                for step in range(200):
+                    out = f(xs[k])
+                    if not torch.allclose(out, wants[k], atol=1e-5, rtol=1e-4):
+                        errors.append(f"thread {k} step {step}: wrong result")
+                        return
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(f"thread {k}: {type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors[:4]
+    r = _rec()
+    assert r.captures >= 5 and r.fallbacks == [], r
+
+
+class _CacheNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        cache.index_copy_(0, pos, self.lin(x))
+        return cache.sum(0, keepdim=True)
+
+
+@torch.no_grad()
+def test_cuda_moved_cache_is_recaptured_without_recompiling_and_dead_ones_released() -> None:
+    import gc
+
+    net = _CacheNet().cuda()
+    f = torch.compile(net, backend=_ro())
+    for _req in range(5):  # a fresh cache per request, as generate() makes
+        cache, ref_cache = torch.zeros(8, 16, device="cuda"), torch.zeros(8, 16, device="cuda")
+        for p in range(4):
+            x, pos = torch.randn(1, 16, device="cuda"), torch.tensor([p], device="cuda")
+            torch.testing.assert_close(f(x, pos, cache), net(x, pos, ref_cache))
+        torch.testing.assert_close(cache, ref_cache)
+        del cache
+        gc.collect()
+    r = _rec()
+    assert r.compiles == 1 and r.captures == 5 and r.fallbacks == []
+    from graphgear.capture.engine import CaptureEngine
+
+    (eng,) = [o for o in gc.get_objects() if type(o) is CaptureEngine and o.record is r]
+    assert sum(e.graph is not None for e in eng.entries.values()) <= 2  # dead caches released
