@@ -24,7 +24,10 @@ import torch
 from torch._dynamo.utils import counters
 
 import graphgear
+from graphgear.cachedir import use_private_inductor_cache
 from graphgear.toy_decoder import DecoderConfig, ToyDecoder
+
+use_private_inductor_cache()  # before anything compiles
 
 GEARS = [1, 2, 4, 8, 16, 32, 64]
 

@@ -29,8 +29,11 @@ from typing import Any
 import torch
 
 import graphgear
+from graphgear.cachedir import use_private_inductor_cache
 from graphgear.passes.joint import JOINT_LOG
 from graphgear.toy_decoder import DecoderConfig, ToyDecoder
+
+use_private_inductor_cache()  # before anything compiles
 
 FUSIONS = ("rms_norm_fusion", "rotary_fusion", "attention_fusion")
 
