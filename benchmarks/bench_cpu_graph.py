@@ -12,16 +12,14 @@ when a target is missed, so CI can run it.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 
-os.environ.setdefault(
-    "TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), "graphgear-inductor-cache")
-)
+from graphgear.cachedir import use_private_inductor_cache  # noqa: E402
+
+use_private_inductor_cache()
 
 import torch  # noqa: E402
 

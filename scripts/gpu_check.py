@@ -20,14 +20,13 @@ import argparse
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-os.environ.setdefault(
-    "TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), "graphgear-inductor-cache")
-)
+from graphgear.cachedir import use_private_inductor_cache  # noqa: E402
+
+use_private_inductor_cache()
 
 import torch  # noqa: E402
 

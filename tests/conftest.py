@@ -1,14 +1,13 @@
-"""Shared test setup: one on-disk Inductor cache for every test and process, offline
-Hugging Face, deterministic seeds."""
+"""Shared test setup: one on-disk Inductor cache for every test and process (private to
+the user: ``graphgear.cachedir``), offline Hugging Face, deterministic seeds."""
 
 from __future__ import annotations
 
 import os
-import tempfile
 
-os.environ.setdefault(
-    "TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), "graphgear-inductor-cache")
-)
+from graphgear.cachedir import use_private_inductor_cache
+
+use_private_inductor_cache()
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -4,6 +4,7 @@ mutations of inputs and buffers (KV caches)."""
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,12 +23,60 @@ def _flat(x: Any) -> list[torch.Tensor]:
     return []
 
 
-def assert_close(actual: Any, expected: Any, atol: float = 1e-5, rtol: float = 1e-4, what: str = "output") -> None:
+# ---- the tolerance policy: every tensor comparison in the tests goes through it ----
+#
+# Compiled code and eager PyTorch may add the same numbers in a different order (another
+# thread count, a fused kernel, a reordered reduction). Each floating-point addition
+# rounds by at most eps/2 of the running sum; with k terms summed in an arbitrary order
+# the rounding errors behave like a random walk, so the typical difference between two
+# orders grows as eps * sqrt(k) times the magnitude of the values summed. Per tensor:
+#
+#   atol = ATOL_FACTOR * eps(dtype) * sqrt(reduction) * max|expected|    (finite values)
+#   rtol = RTOL_FACTOR * eps(dtype)
+#
+# where ``reduction`` is the number of terms summed into one element along the longest
+# chain (the inner dim of a matmul, tokens x features for a weight gradient, times the
+# layers for a whole model; an estimate is fine, sqrt makes it forgiving) and ``dtype``
+# the precision the values were computed in (default: the expected tensor's). The
+# factors leave an 8x margin over the worst differences seen between 1 and 2 threads,
+# and keep atol far below a real error: with reduction up to 4096 atol is at most
+# 1024 * eps * max|expected| (1.2e-4 of the largest value in float32), so a 1e-3 relative
+# error on any element of the tensor's leading magnitude fails. Integer and bool tensors
+# compare exactly; a tensor that should be all zeros must be exactly zero (pass
+# ``scale=`` when the terms summed are large but the result cancels to ~0).
+ATOL_FACTOR = 16.0
+RTOL_FACTOR = 8.0
+
+
+def tolerance(expected: torch.Tensor, *, reduction: int = 1, dtype: torch.dtype | None = None,
+              scale: float | None = None) -> dict[str, float]:
+    """``{"rtol": ..., "atol": ...}`` for comparing against ``expected`` (rule above)."""
+    dtype = dtype or expected.dtype
+    if not (dtype.is_floating_point or dtype.is_complex):
+        return {"rtol": 0.0, "atol": 0.0}
+    eps = torch.finfo(dtype).eps
+    if scale is None:
+        finite = expected.detach().abs()
+        finite = finite[torch.isfinite(finite)]
+        scale = float(finite.max()) if finite.numel() else 0.0
+    k = max(int(reduction), 1)
+    return {"rtol": RTOL_FACTOR * eps, "atol": ATOL_FACTOR * eps * math.sqrt(k) * scale}
+
+
+def assert_close(actual: Any, expected: Any, *, reduction: int = 1, dtype: torch.dtype | None = None,
+                 scale: float | None = None, what: str = "output") -> None:
+    """Compare (nested) tensors with :func:`tolerance`: same count, shapes, dtypes, and
+    values within the policy's rtol/atol per tensor."""
     a, e = _flat(actual), _flat(expected)
-    assert len(a) == len(e), f"{what}: {len(a)} tensors, eager gave {len(e)}"
+    assert len(a) == len(e), f"{what}: {len(a)} tensors, expected {len(e)}"
     for i, (x, y) in enumerate(zip(a, e)):
-        assert x.shape == y.shape, f"{what}[{i}]: shape {tuple(x.shape)} != eager {tuple(y.shape)}"
-        torch.testing.assert_close(x, y, atol=atol, rtol=rtol, msg=lambda m, i=i: f"{what}[{i}]: {m}")
+        name = what if len(e) == 1 and isinstance(expected, torch.Tensor) else f"{what}[{i}]"
+        assert x.shape == y.shape, f"{name}: shape {tuple(x.shape)} != expected {tuple(y.shape)}"
+        tol = tolerance(y, reduction=reduction, dtype=dtype, scale=scale)
+        torch.testing.assert_close(
+            x, y, **tol,
+            msg=lambda m, n=name, t=tol: f"{n} (reduction={reduction}, rtol={t['rtol']:.3g}, "
+                                         f"atol={t['atol']:.3g}): {m}")
 
 
 def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -43,13 +92,18 @@ def check_against_eager(
     *,
     train: bool = False,
     steps: int = 2,
-    atol: float = 1e-5,
-    rtol: float = 1e-4,
+    reduction: int = 256,
+    grad_reduction: int | None = None,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     before_step: Callable[[torch.nn.Module], None] | None = None,
 ) -> Callable[..., Any]:
     """Run ``steps`` calls of a compiled copy and of the eager model on equal inputs;
-    compare outputs, gradients (``train``) and every buffer after each step."""
+    compare outputs, gradients (``train``) and every buffer after each step.
+
+    ``reduction`` sizes the tolerance of outputs, mutated inputs and buffers (see
+    :func:`tolerance`); gradients, which sum over the tokens and run the chain backwards,
+    use ``grad_reduction`` (default ``100 * reduction``, 10x the tolerance)."""
+    grad_reduction = grad_reduction if grad_reduction is not None else 100 * reduction
     eager = model
     compiled_model = copy.deepcopy(model)
     compiled = compile_fn(compiled_model)
@@ -63,7 +117,7 @@ def check_against_eager(
         if train:
             out_e = eager(*inputs)
             out_c = compiled(*inputs_c)
-            assert_close(out_c, out_e, atol, rtol, f"step {step} output")
+            assert_close(out_c, out_e, reduction=reduction, what=f"step {step} output")
             loss_fn(out_e).backward()
             loss_fn(out_c).backward()
             for (name, p_e), (_, p_c) in zip(eager.named_parameters(), compiled_model.named_parameters()):
@@ -71,19 +125,18 @@ def check_against_eager(
                     assert p_c.grad is None, f"step {step}: grad of {name} exists only compiled"
                     continue
                 assert p_c.grad is not None, f"step {step}: no gradient for {name}"
-                torch.testing.assert_close(p_c.grad, p_e.grad, atol=atol * 10, rtol=rtol * 10,
-                                           msg=lambda m, n=name, s=step: f"step {s} grad of {n}: {m}")
+                assert_close(p_c.grad, p_e.grad, reduction=grad_reduction, what=f"step {step} grad of {name}")
             eager.zero_grad(set_to_none=True)
             compiled_model.zero_grad(set_to_none=True)
         else:
             with torch.no_grad():
                 out_e = eager(*inputs)
                 out_c = compiled(*inputs_c)
-            assert_close(out_c, out_e, atol, rtol, f"step {step} output")
+            assert_close(out_c, out_e, reduction=reduction, what=f"step {step} output")
         for x, y in zip(inputs_c, inputs):  # user inputs mutated in place
             if isinstance(x, torch.Tensor):
-                torch.testing.assert_close(x, y, atol=atol, rtol=rtol)
+                assert_close(x, y, reduction=reduction, what=f"step {step} input")
         for (name, b_e), (_, b_c) in zip(eager.named_buffers(), compiled_model.named_buffers()):
-            torch.testing.assert_close(b_c, b_e, atol=atol, rtol=rtol,
-                                       msg=lambda m, n=name, s=step: f"step {s} buffer {n}: {m}")
+            assert_close(b_c, b_e, reduction=reduction, what=f"step {step} buffer {name}")
     return compiled
+

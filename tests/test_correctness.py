@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import graphgear
-from tests.helpers import check_against_eager
+from tests.helpers import assert_close, check_against_eager
 from tests.models import MLP, ConvNet, GraphBreakMLP, small_decoder
 
 
@@ -97,8 +97,8 @@ def test_user_input_mutation_in_place() -> None:
     for _ in range(3):
         out = compiled(x, buf)
         ref = f(x, buf_e)
-        torch.testing.assert_close(out, ref)
-        torch.testing.assert_close(buf, buf_e)
+        assert_close(out, ref)
+        assert_close(buf, buf_e)
 
 
 @pytest.mark.inductor

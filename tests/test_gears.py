@@ -76,7 +76,7 @@ def test_one_graph_per_gear_no_recompiles(mode: str) -> None:
     with torch.no_grad():
         for n in [4, 1, 2, 8, 2, 4, 1]:
             x = geared(torch.randn(n, 16), {0: [1, 2, 4, 8]})
-            assert_close(compiled(x), model(x))
+            assert_close(compiled(x), model(x), reduction=32)
     assert counters["stats"]["unique_graphs"] == 1
     assert sum(counters["recompiles"].values()) == 0 if "recompiles" in counters else True
     (g,) = graphgear.stats().graphs
@@ -98,7 +98,7 @@ def test_size_outside_gears_raises_and_model_stays_usable(mode: str) -> None:
             msg = str(e.value)
             assert f"size {bad} at dim 0" in msg and "[2, 4, 8]" in msg and "input 'x'" in msg
         x = geared(torch.randn(4, 16), {0: [2, 4, 8]})
-        assert_close(compiled(x), model(x))
+        assert_close(compiled(x), model(x), reduction=32)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -110,7 +110,7 @@ def test_padding_to_next_gear(mode: str) -> None:
             x = geared(torch.randn(n, 16), {0: [2, 4, 8]})
             out = compiled(x)
             assert out.shape == (n, 8)
-            assert_close(out, model(x))
+            assert_close(out, model(x), reduction=32)
         with pytest.raises(GearError, match="above the largest gear"):
             compiled(geared(torch.randn(9, 16), {0: [2, 4, 8]}))
     (g,) = graphgear.stats().graphs
@@ -129,7 +129,7 @@ def test_merge_policies(policy: str, ok, bad) -> None:
     compiled = torch.compile(_two_dim_fn, backend=backend("eager", dynamic_gears_merge_policy=policy))
     for b, s in ok:
         x = geared(torch.randn(b, s), {0: [2, 4], 1: [8, 16]})
-        assert_close(compiled(x), _two_dim_fn(x))
+        assert_close(compiled(x), _two_dim_fn(x), reduction=16)
     for b, s in bad:
         with pytest.raises(GearError):
             compiled(geared(torch.randn(b, s), {0: [2, 4], 1: [8, 16]}))
@@ -169,12 +169,12 @@ def test_precompile_builds_every_gear_before_the_first_real_call(mode: str) -> N
         assert g.compiles == 3  # every gear, at start-up
         if mode == "reduce-overhead":
             assert g.captures == 3  # and captured: warm-up and capture calls per gear
-        assert_close(out, ref(tok, pos))
+        assert_close(out, ref(tok, pos), reduction=512)
         for layer_c, layer_r in zip(model.layers, ref.layers):  # caches as after one real call
-            torch.testing.assert_close(layer_c.attn.k_cache, layer_r.attn.k_cache)
+            assert_close(layer_c.attn.k_cache, layer_r.attn.k_cache, reduction=512)
         for b in (1, 4):
             t = geared(torch.randint(0, 128, (b, 1)), {0: [1, 2, 4]})
-            assert_close(compiled(t, torch.tensor([1])), ref(t, torch.tensor([1])))
+            assert_close(compiled(t, torch.tensor([1])), ref(t, torch.tensor([1])), reduction=512)
     g = graphgear.stats().graphs[0]
     assert g.compiles == 3
     if mode == "reduce-overhead":
@@ -197,8 +197,8 @@ def test_padding_keeps_padded_mutated_input_in_place(mode: str) -> None:
         graphgear.set_dim_gears(state, {0: [2, 4]})
         out = compiled(x, state)
         ref = f(x, state_ref)
-        assert_close(out, ref)
-        torch.testing.assert_close(state, state_ref)
+        assert_close(out, ref, reduction=4)
+        assert_close(state, state_ref, reduction=4)
     (g,) = graphgear.stats().graphs
     if mode == "reduce-overhead":
         assert g.captures == 1
@@ -224,7 +224,7 @@ def test_hf_llama_batch_gears_with_padding(mode: str) -> None:
     with torch.no_grad():
         for b in [1, 2, 3, 4, 1]:
             kw = _llama_call(b, 8, {0: [1, 2, 4]})
-            assert_close(compiled(**kw).logits, model(**kw).logits, atol=1e-4)
+            assert_close(compiled(**kw).logits, model(**kw).logits, reduction=1024)
     assert counters["stats"]["unique_graphs"] == 1
     (g,) = graphgear.stats().graphs
     assert g.gears == [(1,), (2,), (4,)]
@@ -243,7 +243,7 @@ def test_hf_llama_batch_and_sequence_gears(policy: str, sizes) -> None:
     with torch.no_grad():
         for b, s in sizes:
             kw = _llama_call(b, s, {0: [1, 2, 4], 1: [4, 8, 16]})
-            assert_close(compiled(**kw).logits, model(**kw).logits, atol=1e-4)
+            assert_close(compiled(**kw).logits, model(**kw).logits, reduction=1024)
     assert counters["stats"]["unique_graphs"] == 1
     (g,) = graphgear.stats().graphs
     assert len(g.gears) == (3 if policy == "zip" else 9)

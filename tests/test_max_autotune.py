@@ -22,6 +22,7 @@ from torch import nn
 import graphgear
 from graphgear.passes.joint import JOINT_LOG
 from graphgear.toy_decoder import DecoderConfig, ToyDecoder
+from tests.helpers import assert_close
 
 
 def mat_config(**experimental: object) -> graphgear.CompilerConfig:
@@ -41,16 +42,20 @@ def _fresh():
 
 
 def check_training(model: nn.Module, *inputs: torch.Tensor, cfg: graphgear.CompilerConfig,
-                   rtol: float = 1e-4, atol: float = 1e-5, steps: int = 2) -> None:
+                   reduction: int = 64, steps: int = 2, cancelling: tuple[str, ...] = ()) -> None:
+    """``cancelling``: parameters whose gradient is zero in exact arithmetic (a bias before
+    a norm); theirs is rounding noise, judged at the scale of the model's largest gradient."""
     ref = copy.deepcopy(model)
     f = torch.compile(model, backend=graphgear.get_backend(cfg))
     for step in range(steps):  # the second call runs the compiled graphs again
         out, expected = f(*inputs), ref(*inputs)
-        torch.testing.assert_close(out, expected, rtol=rtol, atol=atol)
+        assert_close(out, expected, reduction=reduction)
         out.square().mean().backward()
         expected.square().mean().backward()
+        top = max(float(q.grad.abs().max()) for q in ref.parameters() if q.grad is not None)
         for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-            torch.testing.assert_close(p.grad, q.grad, rtol=rtol, atol=atol, msg=f"step {step}: {name}")
+            assert_close(p.grad, q.grad, reduction=100 * reduction, what=f"step {step}: {name}",
+                         scale=top if name in cancelling else None)
         model.zero_grad()
         ref.zero_grad()
     stages = [(g.stage, g.mode) for g in graphgear.stats().graphs]
@@ -65,7 +70,7 @@ def test_mlp_training_and_inference():
     torch._dynamo.reset()
     f = torch.compile(model, backend=graphgear.get_backend(mat_config()))
     with torch.no_grad():
-        torch.testing.assert_close(f(x), model(x), rtol=1e-5, atol=1e-6)
+        assert_close(f(x), model(x), reduction=32)
     rec = graphgear.stats().graphs[-1]
     assert rec.stage == "inference" and rec.mode == "max-autotune" and rec.compiles == 1
 
@@ -86,7 +91,7 @@ class ConvNet(nn.Module):
 
 def test_conv_net_training():
     torch.manual_seed(0)
-    check_training(ConvNet(), torch.randn(2, 3, 12, 12), cfg=mat_config())
+    check_training(ConvNet(), torch.randn(2, 3, 12, 12), cfg=mat_config(), cancelling=("conv1.bias",))
 
 
 def test_decoder_inference_with_kv_cache_and_passes():
@@ -97,9 +102,9 @@ def test_decoder_inference_with_kv_cache_and_passes():
     with torch.no_grad():
         for p in range(4):  # decode steps: one compile, the cache written in place each step
             tok, pos = torch.tensor([[p + 3]]), torch.tensor([p])
-            torch.testing.assert_close(f(tok, pos), ref(tok, pos), rtol=1e-4, atol=1e-5)
+            assert_close(f(tok, pos), ref(tok, pos), reduction=1024)
     for a, b in zip(model.layers, ref.layers):
-        torch.testing.assert_close(a.attn.k_cache, b.attn.k_cache, rtol=1e-5, atol=1e-6)
+        assert_close(a.attn.k_cache, b.attn.k_cache, reduction=512)
     (entry,) = JOINT_LOG
     assert entry["kind"] == "inductor"
     assert entry["matches"]["rms_norm_fusion"] == 0  # no fused RMSNorm kernel on the CPU
@@ -136,7 +141,7 @@ def test_compile_inductor_takes_a_static_graph():
         fn = compile_graph(gm, [x, w], config=mat_config(), stage="inference", static_inputs=[1])
         outs.append((fn(x, w), f(x, w)))
     for got, want in outs:
-        torch.testing.assert_close(got[0] if isinstance(got, (list, tuple)) else got, want)
+        assert_close(got[0] if isinstance(got, (list, tuple)) else got, want, reduction=8)
     assert [g.compiles for g in graphgear.stats().graphs] == [1, 1]
 
 

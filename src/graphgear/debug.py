@@ -12,15 +12,25 @@ pass that changed something), ``final`` (what the mode compiles).
 ``fx_summary`` writes ``gg_<seq>_<graph>_summary.csv`` with the columns
 ``op,count,supported,note``: every op target, how often it occurs, and whether the
 chosen mode handles it natively (``yes``) or not (``no``, with the reason).
+
+Dump names are predictable, so a file is never written through a name that is already
+a symlink: such a name is left alone (a warning names it and the dump is skipped), and
+every dump is written to a fresh temporary file in the same folder and then renamed
+over the name (``os.replace`` replaces a link or file there, never the file a link
+points to). A regular file from an earlier run is replaced. Failing to write a dump
+logs a warning and never stops the compile.
 """
 
 from __future__ import annotations
 
 import collections
 import csv
+import io
 import itertools
 import logging
 import os
+import stat
+import tempfile
 import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -73,13 +83,72 @@ def dump_graph(gm: fx.GraphModule, config: CompilerConfig, graph_name: str, stag
     if kind is None:
         return None
     folder = config.debug.graph_dump.path
-    os.makedirs(folder, exist_ok=True)
+    if not _make_folder(folder):
+        return None
     path = os.path.join(folder, f"gg_{_next_seq():05d}_{graph_name}_{stage}.{kind}")
     text = tabular(gm.graph) if kind == "txt" else gm.print_readable(print_output=False)
-    with open(path, "w") as f:
-        f.write(text)
+    if not write_dump(path, text):
+        return None
     log.debug("graphgear: dumped %s", path)
     return path
+
+
+def write_dump(path: str, text: str) -> bool:
+    """Write ``text`` to ``path`` without following a symlink there; ``False`` (with a
+    warning naming the path and the reason) when it was not written.
+
+    An existing symlink at ``path`` is refused. Otherwise the text goes to a new
+    temporary file (``O_EXCL``, mode 0600) in the same folder, renamed over ``path``, so
+    a link planted between the check and the rename is replaced, not followed.
+    """
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        log.warning("graphgear: debug dump %s not written: cannot check it (%s)", path, e.strerror)
+        return False
+    else:
+        if stat.S_ISLNK(st.st_mode):
+            log.warning("graphgear: debug dump %s not written: that name is a symlink (to %r); "
+                        "graphgear does not write through links", path, _readlink(path))
+            return False
+        if not stat.S_ISREG(st.st_mode):
+            log.warning("graphgear: debug dump %s not written: that name exists and is not a "
+                        "regular file", path)
+            return False
+    folder, name = os.path.split(path)
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder or ".")
+        with open(fd, "w", newline="") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        log.warning("graphgear: debug dump %s not written: %s", path, e.strerror or e)
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+        return False
+    return True
+
+
+def _make_folder(folder: str) -> bool:
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        log.warning("graphgear: debug dumps not written to %s: cannot create it (%s)", folder, e.strerror or e)
+        return False
+    return True
+
+
+def _readlink(path: str) -> str:
+    try:
+        return os.readlink(path)
+    except OSError:
+        return "?"
 
 
 # Ops that read device data back to the host or produce data-dependent shapes: a
@@ -142,12 +211,13 @@ def fx_summary(gm: fx.GraphModule, config: CompilerConfig, graph_name: str, mode
             counts[key] += 1
             targets.setdefault(key, n.target)
     folder = config.debug.fx_summary.path
-    os.makedirs(folder, exist_ok=True)
+    if not _make_folder(folder):
+        return None
     path = os.path.join(folder, f"gg_{_next_seq():05d}_{graph_name}_summary.csv")
-    with open(path, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["op", "count", "supported", "note"])
-        for key, count in sorted(counts.items()):
-            ok, note = op_support(targets[key], mode)
-            w.writerow([key, count, "yes" if ok else "no", note])
-    return path
+    buf = io.StringIO(newline="")
+    w = csv.writer(buf)
+    w.writerow(["op", "count", "supported", "note"])
+    for key, count in sorted(counts.items()):
+        ok, note = op_support(targets[key], mode)
+        w.writerow([key, count, "yes" if ok else "no", note])
+    return path if write_dump(path, buf.getvalue()) else None
