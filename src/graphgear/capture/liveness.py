@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from .._torch import StorageWeakRef, non_owning_storage, storage_poisoner_builtin
+from ..cachedir import default_cache_root, unsafe_reason
 
 log = logging.getLogger(__name__)
 
@@ -67,9 +68,7 @@ DEFAULT_BUILD_TIMEOUT = 300.0
 def extension_dir() -> Path:
     """Where the liveness extension is built: per user, per torch and Python version."""
     base = os.environ.get("GRAPHGEAR_EXTENSIONS_DIR")
-    root = Path(base) if base else Path(
-        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    ) / "graphgear" / "extensions"
+    root = Path(base) if base else Path(default_cache_root()) / "graphgear" / "extensions"
     tag = hashlib.sha256(f"{_SRC}{torch.__version__}{sys.version}".encode()).hexdigest()[:12]
     return root / f"liveness-{tag}"
 
@@ -102,12 +101,15 @@ def build_extension(folder: Path | None = None, timeout: float | None = None) ->
     if timeout is None:
         timeout = float(os.environ.get(BUILD_TIMEOUT_ENV, DEFAULT_BUILD_TIMEOUT))
     try:
-        mod = _load_built(folder)
-        if mod is not None:
-            return mod
+        if folder.is_dir() and unsafe_reason(str(folder)) is None:
+            mod = _load_built(folder)
+            if mod is not None:
+                return mod
         folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-        if folder.stat().st_uid != os.getuid() or folder.stat().st_mode & 0o022:
-            raise PermissionError(f"{folder} is not owned by this user or is writable by others")
+        for f in (folder.parent, folder):  # it will hold a library this process loads
+            reason = unsafe_reason(str(f))
+            if reason is not None:
+                raise PermissionError(f"{f}: {reason}")
         script = (
             "import sys, torch.utils.cpp_extension as c\n"
             "c.load_inline(sys.argv[1], cpp_sources=[sys.argv[2]], functions=['poison'], "
