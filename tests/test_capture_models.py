@@ -58,7 +58,7 @@ def test_greedy_static_cache_decoding_matches_eager(build: object) -> None:
     assert all(g.fallbacks == [] for g in graphs), str(graphgear.stats())
     # prefill: run 1 warms up, run 2 (new cache) captures; no replay
     assert (prefill.uncaptured_runs, prefill.captures, prefill.replays) == (1, 1, 0)
-    # decode: NEW - 1 steps per generate; 1 warm-up + 1 capture in the first, a
-    # capture again in the second (its cache moved), every other step replays
-    assert (decode.uncaptured_runs, decode.captures) == (1, 2)
-    assert decode.replays == 2 * (NEW - 1) - 3
+    # decode: NEW - 1 steps per generate; 1 warm-up + 1 capture in the first; the
+    # second's cache moved and is rebound (no new capture); every other step replays
+    assert (decode.uncaptured_runs, decode.captures) == (1, 1) and decode.rebinds >= 1
+    assert decode.replays == 2 * (NEW - 1) - 2
