@@ -129,7 +129,7 @@ def test_compile_inductor_takes_a_static_graph():
     """The gear dispatcher hands compile_inductor one static graph per gear."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from graphgear.compilers import compile_graph
+    from graphgear.pipeline import compile_graph
 
     def f(x, w):
         return torch.relu(x @ w).sum(-1)

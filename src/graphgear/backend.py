@@ -27,12 +27,13 @@ import torch
 from torch import fx
 
 from . import debug
-from .compilers import compile_graph, mode_of
-from .config import CompilerConfig, apply_options
+from .compilers.inductor import inductor_decompositions
+from .config import CompilerConfig, apply_options, mode_of
 from .errors import ConfigError, GraphgearError
 from .gears import guard_gears_shape, set_dim_gears
 from .inputs import GraphInputs
 from .passes.joint import joint_graph_passes, pre_grad_fusions
+from .pipeline import compile_graph
 
 log = logging.getLogger(__name__)
 
@@ -130,8 +131,6 @@ def default_decompositions(config: CompilerConfig) -> dict[Any, Any]:
     """Decompositions per mode: Inductor's table for max-autotune; none otherwise, so the
     captured graphs keep ATen's fused kernels (fewer, larger ops)."""
     if mode_of(config) == "max-autotune":
-        from .compilers.inductor import inductor_decompositions
-
         return inductor_decompositions()
     return {}
 

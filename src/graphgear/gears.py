@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+import itertools
+import logging
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from .errors import GearError
+from .shapes import ShapeInfo
+from .stats import on_reset
+
+log = logging.getLogger(__name__)
 
 __all__ = ["get_dim_gears", "set_dim_gears"]
 
@@ -101,16 +109,6 @@ def restore_global_settings() -> None:
 
 # --------------------------------------------------------------------------- plan
 
-import dataclasses  # noqa: E402
-import itertools  # noqa: E402
-import logging  # noqa: E402
-import threading  # noqa: E402
-from collections.abc import Callable  # noqa: E402
-
-from .shapes import ShapeInfo  # noqa: E402
-
-log = logging.getLogger(__name__)
-
 
 _oblivious_before: list[bool] = []
 
@@ -124,6 +122,7 @@ def _set_oblivious_if_needed(sizes: list[int]) -> None:
         cfg = torch.fx.experimental._config
         if hasattr(cfg, "backed_size_oblivious") and not cfg.backed_size_oblivious:
             _oblivious_before.append(False)
+            on_reset(restore_global_settings)
             log.info(
                 "graphgear: a gear of 1 was set; enabling "
                 "torch.fx.experimental._config.backed_size_oblivious so size 1 shares the "

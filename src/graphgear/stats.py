@@ -16,9 +16,11 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from .debug import text_table
+
 log = logging.getLogger(__name__)
 
-__all__ = ["GraphRecord", "Stats", "new_record", "register_release", "reset", "stats"]
+__all__ = ["GraphRecord", "Stats", "new_record", "on_reset", "register_release", "reset", "stats"]
 
 
 @dataclasses.dataclass
@@ -71,8 +73,6 @@ class Stats:
              f"{g.compile_seconds:.3f}", str(g.pool_bytes)]
             for g in self.graphs
         ]
-        from .debug import text_table
-
         table = text_table(cols, rows, rule=False)
         return table if rows else table + "\n(no graphs compiled)"
 
@@ -83,6 +83,14 @@ _lock = threading.Lock()
 _records: list[GraphRecord] = []
 _counter = itertools.count()
 _releasers: list[weakref.ref[Any] | Callable[[], Any]] = []
+_on_reset: list[Callable[[], None]] = []
+
+
+def on_reset(fn: Callable[[], None]) -> None:
+    """Call ``fn`` at the next :func:`reset` (once; a process-wide setting to undo)."""
+    with _lock:
+        if fn not in _on_reset:
+            _on_reset.append(fn)
 
 
 def new_record(stage: str, mode: str) -> GraphRecord:
@@ -127,7 +135,9 @@ def reset() -> None:
         if obj is not None:
             obj.release()
     torch._dynamo.reset()
-    from .gears import restore_global_settings
-
-    restore_global_settings()
+    with _lock:
+        hooks = list(_on_reset)
+        _on_reset.clear()
+    for fn in hooks:
+        fn()
     log.debug("graphgear.reset(): released %d artifacts", len(releasers))

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from ..config import mode_of
 from .manager import GraphPass, PassManager
 from .patterns import PatternSet, Replacement, decomp_kind
 
@@ -369,7 +370,6 @@ class AttentionFusion(_FusionPass):
     group = "attention"
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], config: Any) -> int:
-        from ..compilers import mode_of
 
         # Where Inductor generates the code (max-autotune, and reduce-overhead's CPU
         # graph), its attention beats the CPU SDPA kernel on the decoder step

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from ..config import mode_of
 from .manager import GraphPass
 
 log = logging.getLogger(__name__)
@@ -40,7 +41,6 @@ DECOMP_KINDS = ("inductor", "aten")
 
 def decomp_kind(config: Any) -> str:
     """Which decomposition table made this config's graphs."""
-    from ..compilers import mode_of
 
     return "inductor" if mode_of(config) == "max-autotune" else "aten"
 
