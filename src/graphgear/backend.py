@@ -27,6 +27,7 @@ import torch
 from torch import fx
 
 from . import debug
+from .capture import MemoryPool
 from .compilers.inductor import inductor_decompositions
 from .config import CompilerConfig, apply_options, mode_of
 from .errors import ConfigError, GraphgearError
@@ -190,6 +191,19 @@ class GraphgearBackend:
             )
         self.config = (compiler_config or CompilerConfig()).copy()
         self.custom_decompositions = dict(custom_decompositions or {})
+        # one MemoryPool per raw device pool handle given to use_custom_pool, so every
+        # graph of this backend that names the handle shares one pool (and its liveness)
+        self._pools: dict[Any, MemoryPool] = {}
+        self._own_pool(self.config)
+
+    def _own_pool(self, config: CompilerConfig) -> None:
+        """Replace a raw device pool handle in ``use_custom_pool`` by this backend's
+        :class:`MemoryPool` for it."""
+        handle = config.capture_config.use_custom_pool
+        if handle is not None and not isinstance(handle, MemoryPool):
+            if handle not in self._pools:
+                self._pools[handle] = MemoryPool(pool_id=handle, name=f"custom {handle}")
+            config.capture_config.use_custom_pool = self._pools[handle]
 
     def get_compiler_config(self) -> None:  # dynamo asks backends for this
         return None
@@ -207,6 +221,7 @@ class GraphgearBackend:
             if _TORCH_MODES[mode] is not None:
                 config.mode = _TORCH_MODES[mode]
         apply_options(config, options)
+        self._own_pool(config)
         return config
 
     def __call__(

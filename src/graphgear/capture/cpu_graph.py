@@ -23,8 +23,16 @@ every capture of it, also across threads) and cached on disk by Inductor
 The record replaces the allocator of Inductor's generated module through a thread-local
 switch installed once in that module (:func:`_allocator_switch`): concurrent replays in
 different threads, and other users of the same generated module, never see each other's
-record. When Inductor cannot compile a graph the
-CPU graph records the FX graph itself (same memory rules, no speed-up) and says so.
+record. When Inductor cannot compile a graph the CPU graph records the FX graph itself
+(same memory rules, no speed-up) and says so.
+
+Why this hook: Inductor's Python wrapper makes every allocation of a run through one
+function (``empty_strided_cpu``), so serving that function from the record is the one
+place where a whole replay runs in recorded memory without changing the generated code.
+Inductor's own ``memory_planning`` reuses buffers within one run but still allocates
+every run; ``cpp_wrapper`` moves allocation into C++, out of reach, so the CPU graph's
+compile pins it off (``compilers.inductor.compile_static``). Where the allocator is not
+found (a future Inductor), the CPU graph says so in a warning and runs without a record.
 """
 
 from __future__ import annotations
@@ -124,6 +132,12 @@ class CPUExecutor:
             self.run: Callable[[list[Any]], Any] = getattr(compiled, "current_callable", None) or compiled
             if g is not None:
                 self.slot = _allocator_switch(g, next(n for n in _ALLOC_NAMES if n in g))
+            else:  # Inductor changed its wrapper: say so, and keep the memory rules
+                log.warning(
+                    "graphgear: %s: Inductor's generated code has no allocator named %s to "
+                    "record (has Inductor changed its Python wrapper?); the CPU graph runs "
+                    "the native code without a record, allocating per replay, and copies "
+                    "its outputs to static buffers.", name, " or ".join(_ALLOC_NAMES))
         else:
             self.run = lambda a: gm(*a)
 

@@ -76,12 +76,12 @@ class CaptureGroup:
     """State shared by the engines of one FX graph (all its keys)."""
 
     pool: MemoryPool
+    custom_pool: MemoryPool | None = None
     captures: int = 0
     limit_warned: bool = False
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
 
-_CUSTOM_POOLS: dict[Any, MemoryPool] = {}
 _serial = itertools.count()
 
 
@@ -98,9 +98,11 @@ def _pool_for(ctx: CompileContext, group: CaptureGroup) -> MemoryPool:
     if custom is not None:
         if isinstance(custom, MemoryPool):
             return custom
-        if custom not in _CUSTOM_POOLS:  # a raw device pool handle
-            _CUSTOM_POOLS[custom] = MemoryPool(pool_id=custom, name=f"custom {custom}")
-        return _CUSTOM_POOLS[custom]
+        # a raw device pool handle: the backend turns it into its MemoryPool; one that
+        # reaches here (a compiler built without a backend) serves this FX graph
+        if group.custom_pool is None:
+            group.custom_pool = MemoryPool(pool_id=custom, name=f"custom {custom}")
+        return group.custom_pool
     if cc.reuse_pool_across_gears:
         return group.pool
     return MemoryPool(name=f"{ctx.record.name} (private)")

@@ -26,7 +26,7 @@ from torch.utils import _pytree as pytree
 
 from ..context import CompileContext
 from ..passes import PASSES_VERSION
-from ..passes.ops import inductor_fused_op_decompositions, inline_decompositions
+from ..passes.ops import inductor_fused_op_decompositions, inline_decompositions, register_inductor_lowering
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +82,7 @@ def compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: Com
     """
     from torch._inductor.compile_fx import compile_fx_inner
 
+    register_inductor_lowering()
     spec = _return_tuple(gm)
     inlined = prepare_for_inductor(gm)
     if inlined:
@@ -161,6 +162,7 @@ def compile_static(
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx_inner
 
+    register_inductor_lowering()
     fakes = static_fakes(args)
     dgm = decompose_static(gm, fakes)
     with cache_context(fakes, replace=True), inductor_config.patch(

@@ -29,7 +29,8 @@ log = logging.getLogger(__name__)
 
 aten = torch.ops.aten
 
-__all__ = ["inline_decompositions", "inductor_fused_op_decompositions", "rotary_rotate_half"]
+__all__ = ["inline_decompositions", "inductor_fused_op_decompositions", "register_inductor_lowering",
+           "rotary_rotate_half"]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -198,7 +199,7 @@ def _replace_outputs(graph: fx.Graph, node: fx.Node, out: Any) -> None:
     graph.erase_node(node)
 
 
-def _register_inductor_lowering() -> None:
+def register_inductor_lowering() -> None:
     """Give Inductor a lowering for ``graphgear::rotary_rotate_half`` built from its own
     pointwise lowerings, so any Inductor compile (max-autotune, the CPU graph) fuses it
     into generated code instead of calling back into Python."""
@@ -223,4 +224,3 @@ def _register_inductor_lowering() -> None:
             lowerings[aten.mul.Tensor](x, cos), lowerings[aten.mul.Tensor](rot, sin))
 
 
-_register_inductor_lowering()
