@@ -129,8 +129,10 @@ def _get_partition_fn(config: CompilerConfig, pre_grad_done: bool = False) -> Ca
 
 
 def default_decompositions(config: CompilerConfig) -> dict[Any, Any]:
-    """Decompositions per mode: Inductor's table for max-autotune; none otherwise, so the
-    captured graphs keep ATen's fused kernels (fewer, larger ops)."""
+    """Decompositions AOTAutograd applies per mode: Inductor's table for max-autotune;
+    none otherwise (run_eagerly runs the aten graph as AOTAutograd gives it;
+    reduce-overhead decomposes each static graph itself before compiling it, in
+    ``compilers.inductor.decompose_static``)."""
     if mode_of(config) == "max-autotune":
         return inductor_decompositions()
     return {}

@@ -124,7 +124,7 @@ def _set_oblivious_if_needed(sizes: list[int]) -> None:
             _oblivious_before.append(False)
             on_reset(restore_global_settings)
             log.info(
-                "graphgear: a gear of 1 was set; enabling "
+                "graphgear: size 1 is a gear (or pads up to one); enabling "
                 "torch.fx.experimental._config.backed_size_oblivious so size 1 shares the "
                 "dynamic graph instead of being specialised"
             )

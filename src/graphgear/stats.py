@@ -20,7 +20,7 @@ from .debug import text_table
 
 log = logging.getLogger(__name__)
 
-__all__ = ["GraphRecord", "Stats", "new_record", "on_reset", "register_release", "reset", "stats"]
+__all__ = ["GraphRecord", "Stats", "new_record", "on_reset", "record_joint_passes", "register_release", "reset", "stats"]
 
 
 @dataclasses.dataclass
@@ -52,13 +52,15 @@ class GraphRecord:
 
 
 class Stats:
-    """A snapshot of every :class:`GraphRecord`, in compile order."""
+    """A snapshot of every :class:`GraphRecord`, in compile order, and of what the
+    joint-graph fusion passes found (``joint``: one dict per run, oldest first)."""
 
-    def __init__(self, graphs: list[GraphRecord]) -> None:
+    def __init__(self, graphs: list[GraphRecord], joint: list[dict[str, Any]] | None = None) -> None:
         self.graphs = graphs
+        self.joint = joint or []
 
     def as_dict(self) -> dict[str, Any]:
-        return {"graphs": [g.as_dict() for g in self.graphs]}
+        return {"graphs": [g.as_dict() for g in self.graphs], "joint": [dict(j) for j in self.joint]}
 
     def __len__(self) -> int:
         return len(self.graphs)
@@ -84,6 +86,15 @@ _records: list[GraphRecord] = []
 _counter = itertools.count()
 _releasers: list[weakref.ref[Any] | Callable[[], Any]] = []
 _on_reset: list[Callable[[], None]] = []
+_joint: list[dict[str, Any]] = []
+_JOINT_MAX = 1000  # the latest are kept
+
+
+def record_joint_passes(entry: dict[str, Any]) -> None:
+    """Note one run of the joint-graph fusion passes (``stats().joint``)."""
+    with _lock:
+        _joint.append(entry)
+        del _joint[:-_JOINT_MAX]
 
 
 def on_reset(fn: Callable[[], None]) -> None:
@@ -113,7 +124,7 @@ def register_release(obj: Any) -> None:
 def stats() -> Stats:
     """Statistics of every graph compiled since the last :func:`reset`."""
     with _lock:
-        return Stats(list(_records))
+        return Stats(list(_records), list(_joint))
 
 
 def reset() -> None:
@@ -130,6 +141,7 @@ def reset() -> None:
         releasers = list(_releasers)
         _releasers.clear()
         _records.clear()
+        _joint.clear()
     for ref in releasers:
         obj = ref() if isinstance(ref, weakref.ref) else ref
         if obj is not None:

@@ -57,7 +57,6 @@ def cuda_executor(gm: fx.GraphModule, args: Sequence[Any], *, stage: str,
 class CUDAGraph:
     """One captured static graph on a CUDA device."""
 
-    api = "cuda"
     #: capture does not run the graph (the warm-up's mutations are undone)
     runs_at_capture = False
     #: input addresses are baked into the graph: a moved input means a new capture

@@ -30,15 +30,14 @@ from ..passes.ops import inductor_fused_op_decompositions, inline_decompositions
 
 log = logging.getLogger(__name__)
 
-__all__ = ["INDUCTOR_PATCHES", "cache_context", "compile_inductor", "compile_static", "decompose_static",
+__all__ = ["cache_context", "compile_inductor", "compile_static", "decompose_static",
            "inductor_decompositions", "static_fakes"]
 
-# Inductor options graphgear sets for every max-autotune compile. Measured on the
-# embedded decoder step (benchmarks/bench_max_autotune.py --patches, one run, 2-core CPU,
-# ratio to torch.compile default): none 0.79x, freezing 0.78x, cpp_wrapper 0.77x,
-# max_autotune CPP GEMM 0.81x: all within the run's noise (~10 %), so none is set
-# (freezing would also bake parameters in, wrong for training).
-INDUCTOR_PATCHES: dict[str, Any] = {}
+# max-autotune sets no Inductor option of its own. Measured on the embedded decoder step
+# (benchmarks/bench_max_autotune.py --patches, one run, 2-core CPU, ratio to
+# torch.compile default): none 0.79x, freezing 0.78x, cpp_wrapper 0.77x, max_autotune CPP
+# GEMM 0.81x: all within the run's noise (~10 %) (freezing would also bake parameters
+# in, wrong for training).
 
 
 def inductor_decompositions() -> dict[Any, Any]:
@@ -94,7 +93,7 @@ def compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: Com
         from torch._inductor.utils import count_tangents
 
         static = list(range(count_tangents(gm)))
-    with cache_context(example_inputs), torch._inductor.config.patch(INDUCTOR_PATCHES):
+    with cache_context(example_inputs):
         compiled = compile_fx_inner(
             gm,
             list(example_inputs),

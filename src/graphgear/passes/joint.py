@@ -27,6 +27,7 @@ pre-grad stage does not handle, such as dynamic shapes.) Every pass is a :class:
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import logging
 import time
@@ -37,6 +38,9 @@ import torch
 from torch import fx
 
 from ..config import mode_of
+from ..stats import record_joint_passes
+from . import ops  # noqa: F401  (defines graphgear::rotary_rotate_half)
+from .attention import fuse_attention
 from .manager import GraphPass, PassManager
 from .patterns import PatternSet, Replacement, decomp_kind
 
@@ -44,12 +48,7 @@ log = logging.getLogger(__name__)
 
 aten = torch.ops.aten
 
-__all__ = ["JOINT_LOG", "joint_graph_passes", "joint_pass_manager", "pre_grad_fusions"]
-
-# one entry per call of joint_graph_passes: what each pass found (tests, benchmarks);
-# the latest _JOINT_LOG_MAX are kept
-JOINT_LOG: list[dict[str, Any]] = []
-_JOINT_LOG_MAX = 1000
+__all__ = ["joint_graph_passes", "joint_pass_manager", "pre_grad_fusions"]
 
 
 def _val(n: Any) -> Any:
@@ -137,8 +136,6 @@ def _rope_b(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 def _rope_replace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    from . import ops  # noqa: F401  (defines graphgear::rotary_rotate_half)
-
     return torch.ops.graphgear.rotary_rotate_half.default(x, cos, sin)
 
 
@@ -239,15 +236,17 @@ _SOFTMAX_REDUCTIONS = (aten._softmax.default, aten.amax.default, aten.sum.dim_In
                        aten._softmax_backward_data.default)
 
 
-# the decomposition kind of the graph being searched (set by _FusionPass)
-_KIND: dict[str, Any] = {"kind": "aten", "skip_devices": ()}
+# the devices the attention patterns skip in the graph being searched (set by
+# AttentionFusion around its search; the pattern's check reads it)
+_SKIP_DEVICES: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar(
+    "graphgear_attention_skip_devices", default=())
 
 
 def _attn_check(match: Any) -> bool:
     q, k, v = (_val(match.kwargs.get(n)) for n in ("q", "k", "v"))
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         return False
-    if q.device.type in _KIND["skip_devices"]:
+    if q.device.type in _SKIP_DEVICES.get():
         return False
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         return False
@@ -340,8 +339,7 @@ class _FusionPass(GraphPass):
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], config: Any) -> int:
         group = self.group + ("_training" if _is_joint(gm) else "")
-        _KIND["kind"] = _kind_of(gm, config)
-        n = builtin_patterns().apply(gm, _KIND["kind"], [group])[group]
+        n = builtin_patterns().apply(gm, _kind_of(gm, config), [group])[group]
         if n:
             from torch._inductor.pattern_matcher import stable_topological_sort
 
@@ -374,12 +372,14 @@ class AttentionFusion(_FusionPass):
         # Where Inductor generates the code (max-autotune, and reduce-overhead's CPU
         # graph), its attention beats the CPU SDPA kernel on the decoder step
         # (benchmarks/bench_passes.py): on the CPU only run_eagerly gets SDPA.
-        _KIND["skip_devices"] = () if mode_of(config) == "eager" else ("cpu",)
+        skip = () if mode_of(config) == "eager" else ("cpu",)
         if _kind_of(gm, config) == "aten" and not _is_joint(gm):
-            from .attention import fuse_attention
-
-            return fuse_attention(gm, skip_devices=_KIND["skip_devices"])
-        return super().__call__(gm, example_inputs, config)
+            return fuse_attention(gm, skip_devices=skip)
+        token = _SKIP_DEVICES.set(skip)
+        try:
+            return super().__call__(gm, example_inputs, config)
+        finally:
+            _SKIP_DEVICES.reset(token)
 
 
 class NormalizeNoops(GraphPass):
@@ -421,9 +421,7 @@ def joint_graph_passes(gm: fx.GraphModule, example_inputs: Sequence[Any], config
     entry = {"training": bool(training) or _is_joint(gm), "kind": _kind_of(gm, config),
              "pre_grad": bool(training), "matches": counts,
              "nodes_before": before, "nodes_after": after, "seconds": time.perf_counter() - t0}
-    JOINT_LOG.append(entry)
-    del JOINT_LOG[:-_JOINT_LOG_MAX]
-    gm.meta["graphgear_joint_passes"] = dict(counts)
+    record_joint_passes(entry)
     log.info("graphgear joint passes (%s, %s): %s; %d -> %d ops in %.3fs",
              "training" if entry["training"] else "inference", entry["kind"], counts, before,
              after, entry["seconds"])

@@ -62,7 +62,6 @@ class PassManager:
 
     def __init__(self, passes: Sequence[GraphPass]) -> None:
         self.passes = list(passes)
-        self.seconds: dict[str, float] = {}  # pass name -> seconds spent, over all runs
 
     def names(self) -> list[str]:
         return [p.name for p in self.passes]
@@ -100,7 +99,6 @@ class PassManager:
                 gm.recompile()
             dt = time.perf_counter() - t0
             log.debug("graphgear pass %s: %d changes in %.4fs", p.name, changed, dt)
-            self.seconds[p.name] = self.seconds.get(p.name, 0.0) + dt
             if counts is not None:
                 counts[p.name] = counts.get(p.name, 0) + int(changed)
             if record is not None:

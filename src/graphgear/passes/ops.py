@@ -1,7 +1,9 @@
 """The fused ops the fusion passes rewrite to, and how to undo them for Inductor.
 
-* RMSNorm → ``aten._fused_rms_norm`` (ATen has it in 2.13, with a CPU kernel, an
-  autograd formula and a decomposition); no graphgear op is needed.
+* RMSNorm → ``aten._fused_rms_norm`` (ATen has it in 2.13 with an autograd formula and
+  a decomposition, and a real kernel on CUDA; on the CPU it is CompositeImplicit and
+  traces straight back to aten ops, so the fusion skips the CPU); no graphgear op is
+  needed.
 * Rotate-half rotary embedding → ``graphgear::rotary_rotate_half(x, cos, sin)``
   (``x * cos + rotate_half(x) * sin``), defined here with a CPU/CUDA implementation,
   a fake implementation and an autograd formula.

@@ -13,6 +13,7 @@ pattern to the post-grad ``pattern_fusion`` pass (``experimental_config.pattern_
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -32,12 +33,7 @@ __all__ = [
     "Replacement",
     "decomp_kind",
     "register_replacement",
-    "registered_replacements",
 ]
-
-# "inductor": Inductor's decomposition table (max-autotune); "aten": no decompositions
-DECOMP_KINDS = ("inductor", "aten")
-
 
 def decomp_kind(config: Any) -> str:
     """Which decomposition table made this config's graphs."""
@@ -214,14 +210,7 @@ def register_replacement(
 
 
 def _signature_params(fn: Callable[..., Any]) -> list[str]:
-    import inspect
-
     return list(inspect.signature(fn).parameters)
-
-
-def registered_replacements() -> int:
-    """How many user replacements are registered."""
-    return len(_USER)
 
 
 def clear_replacements() -> None:
