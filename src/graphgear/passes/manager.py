@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from torch import fx
 
 from .. import debug
+from .._torch import stable_topological_sort
 
 if TYPE_CHECKING:
     from ..config import CompilerConfig
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["GraphPass", "PassManager", "UserPass"]
+__all__ = ["GraphPass", "PassManager", "UserPass", "node_val", "sort_and_clean"]
 
 
 class GraphPass:
@@ -107,3 +108,16 @@ class PassManager:
             if changed and name is not None:
                 debug.dump_graph(gm, config, name, f"after_{p.name}")
         return gm
+
+
+def node_val(n: Any) -> Any:
+    """The fake value a node carries (``meta["val"]``), None for anything else."""
+    return n.meta.get("val") if isinstance(n, fx.Node) else None
+
+
+def sort_and_clean(gm: fx.GraphModule) -> None:
+    """After replacements: put every node after its inputs (a replacement goes where
+    the match's output was; in a joint graph its inputs, the tangents, can come later)
+    and drop what became dead."""
+    stable_topological_sort(gm.graph)
+    gm.graph.eliminate_dead_code()

@@ -35,14 +35,14 @@ __all__ = ["inline_decompositions", "inductor_fused_op_decompositions", "registe
            "rotary_rotate_half"]
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def _rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """The unfused formula, as models write it (the decomposition of the fused op)."""
-    return x * cos + _rotate_half(x) * sin
+    return x * cos + rotate_half(x) * sin
 
 
 def _rotary_out_meta(
@@ -105,11 +105,11 @@ def _rotary_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None,
     if ctx.needs_input_grad[0]:
         # d/dx of rotate_half(x) * sin is -rotate_half(grad * sin)
         gs = grad * sin
-        gx = _unbroadcast(grad * cos - _rotate_half(gs), x)
+        gx = _unbroadcast(grad * cos - rotate_half(gs), x)
     if ctx.needs_input_grad[1]:
         gcos = _unbroadcast(grad * x, cos)
     if ctx.needs_input_grad[2]:
-        gsin = _unbroadcast(grad * _rotate_half(x), sin)
+        gsin = _unbroadcast(grad * rotate_half(x), sin)
     return gx, gcos, gsin
 
 

@@ -23,7 +23,7 @@ import torch
 from torch import fx
 
 from ..config import mode_of
-from .manager import GraphPass
+from .manager import GraphPass, sort_and_clean
 
 log = logging.getLogger(__name__)
 
@@ -231,10 +231,5 @@ class PatternFusion(GraphPass):
         counts = _USER.apply(gm, decomp_kind(config))
         n = sum(counts.values())
         if n:
-            from torch._inductor.pattern_matcher import stable_topological_sort
-
-            # replacements go where the match's output was; in a joint graph their
-            # inputs (tangents) can come later
-            stable_topological_sort(gm.graph)
-            gm.graph.eliminate_dead_code()
+            sort_and_clean(gm)
         return n
