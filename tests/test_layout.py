@@ -17,7 +17,7 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "graphgear"
 LAYERS: list[set[str]] = [
     {"graphgear.errors", "graphgear._torch", "graphgear.cachedir", "graphgear.toy_decoder"},
     {"graphgear.config", "graphgear.stats", "graphgear.debug", "graphgear.context"},
-    {"graphgear.shapes", "graphgear.inputs", "graphgear.gears"},
+    {"graphgear.shapes", "graphgear.inputs", "graphgear.gears", "graphgear.dispatch"},
     {"graphgear.capture"},
     {"graphgear.passes"},
     {"graphgear.compilers"},

@@ -22,7 +22,8 @@ import torch
 from .backend import get_backend
 from .config import CompilerConfig
 from .debug import text_table
-from .gears import precompile_gears, set_dim_gears
+from .dispatch import precompile_gears
+from .gears import set_dim_gears
 from .stats import reset, stats
 from .toy_decoder import DecoderConfig, ToyDecoder
 

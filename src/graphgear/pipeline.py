@@ -17,7 +17,8 @@ from . import debug
 from .compilers import MODE_COMPILERS, op_support
 from .config import mode_of
 from .context import CompileContext
-from .gears import GearedGraph, GearPlan, output_specs, unsliceable_outputs
+from .dispatch import GearedGraph, output_specs, unsliceable_outputs
+from .gears import GearPlan
 from .inputs import mutated_placeholders, static_input_indices
 from .passes import post_grad_pass_manager
 from .shapes import ShapeInfo, specialize
