@@ -59,22 +59,13 @@ def build_variants(model: ToyDecoder, with_patches: bool) -> dict[str, Callable[
     variants["graphgear_max_autotune_fx_passes_no_attention"] = torch.compile(
         copy.deepcopy(model), backend=graphgear_backend(True, ("attention_fusion",)))
     if with_patches:
-        from graphgear.compilers import inductor as gi
-
         for name, patch in (("freezing", {"freezing": True}),
                             ("cpp_wrapper", {"cpp_wrapper": True}),
                             ("max_autotune_gemm", {"max_autotune": True,
                                                    "max_autotune_gemm_backends": "CPP,ATEN"})):
             m = torch.compile(copy.deepcopy(model), backend=graphgear_backend(False))
-            old = dict(gi.INDUCTOR_PATCHES)
-            gi.INDUCTOR_PATCHES.clear()
-            gi.INDUCTOR_PATCHES.update(patch)
-            try:
-                with torch.no_grad():
-                    m(*step_inputs())  # compile under the patch
-            finally:
-                gi.INDUCTOR_PATCHES.clear()
-                gi.INDUCTOR_PATCHES.update(old)
+            with torch.no_grad(), torch._inductor.config.patch(patch):
+                m(*step_inputs())  # compile under the patch
             variants[f"graphgear_max_autotune+{name}"] = m
     return variants
 

@@ -33,7 +33,6 @@ use_private_inductor_cache()  # before torch: importing torch._dynamo fixes the 
 import torch  # noqa: E402
 
 import graphgear  # noqa: E402
-from graphgear.passes.joint import JOINT_LOG  # noqa: E402
 from graphgear.toy_decoder import DecoderConfig, ToyDecoder  # noqa: E402
 
 FUSIONS = ("rms_norm_fusion", "rotary_fusion", "attention_fusion")
@@ -50,12 +49,13 @@ def make(model: ToyDecoder, mode: str, fx_passes: bool, disabled: tuple[str, ...
     cfg.experimental_config.disabled_passes = disabled
     m = copy.deepcopy(model)
     f = torch.compile(m, backend=graphgear.get_backend(cfg))
-    JOINT_LOG.clear()
+    j0 = len(graphgear.stats().joint)
     n0 = len(graphgear.stats().graphs)
     with torch.no_grad():
         for _ in range(3):  # compile, warm up, capture
             f(torch.tensor([[7]]), torch.tensor([5]))
-    info: dict[str, Any] = {"joint": dict(JOINT_LOG[-1]) if JOINT_LOG else None}
+    joint = graphgear.stats().joint[j0:]
+    info: dict[str, Any] = {"joint": dict(joint[-1]) if joint else None}
     recs = graphgear.stats().graphs[n0:]
     info["ops_after_passes"] = recs[-1].num_nodes if recs else None
     return f, info

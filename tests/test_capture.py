@@ -14,8 +14,7 @@ from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import graphgear
-from graphgear.capture import MemoryPool
-from graphgear.capture.engine import CaptureEngine, find_uncapturable
+from graphgear.capture import CaptureEngine, MemoryPool, find_uncapturable
 from tests.helpers import assert_close
 
 pytestmark = pytest.mark.inductor
@@ -562,8 +561,8 @@ def _fake_cuda_graph_class() -> type:
 
 @torch.no_grad()
 def test_cuda_graph_life_cycle_with_a_fake_device(monkeypatch: pytest.MonkeyPatch) -> None:
-    import graphgear.capture as capture
     from graphgear.capture import engine
+    from graphgear.compilers import reduce_overhead as capture
 
     fake = _fake_cuda_graph_class()
     monkeypatch.setattr(capture, "graph_device", lambda inputs: torch.device("cuda"))

@@ -20,7 +20,6 @@ import torch
 from torch import nn
 
 import graphgear
-from graphgear.passes.joint import JOINT_LOG
 from graphgear.toy_decoder import DecoderConfig, ToyDecoder
 from tests.helpers import assert_close
 
@@ -36,9 +35,9 @@ def mat_config(**experimental: object) -> graphgear.CompilerConfig:
 @pytest.fixture(autouse=True)
 def _fresh():
     torch._dynamo.reset()
-    JOINT_LOG.clear()
+    graphgear.reset()
     yield
-    JOINT_LOG.clear()
+    graphgear.reset()
 
 
 def check_training(model: nn.Module, *inputs: torch.Tensor, cfg: graphgear.CompilerConfig,
@@ -105,7 +104,7 @@ def test_decoder_inference_with_kv_cache_and_passes():
             assert_close(f(tok, pos), ref(tok, pos), reduction=1024)
     for a, b in zip(model.layers, ref.layers):
         assert_close(a.attn.k_cache, b.attn.k_cache, reduction=512)
-    (entry,) = JOINT_LOG
+    (entry,) = graphgear.stats().joint
     assert entry["kind"] == "inductor"
     assert entry["matches"]["rms_norm_fusion"] == 0  # no fused RMSNorm kernel on the CPU
     assert entry["matches"]["rotary_fusion"] == 4
@@ -121,7 +120,7 @@ def test_decoder_training():
     # one step: a KV cache written under grad carries the step's graph (eager as well)
     check_training(model, torch.tensor([[3, 4]]), torch.tensor([0, 1]), cfg=mat_config(fx_passes=True),
                    steps=1)
-    (entry,) = JOINT_LOG
+    (entry,) = graphgear.stats().joint
     assert entry["training"] and entry["matches"]["rotary_fusion"] == 2
 
 
@@ -129,7 +128,7 @@ def test_compile_inductor_takes_a_static_graph():
     """The gear dispatcher hands compile_inductor one static graph per gear."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from graphgear.compilers import compile_graph
+    from graphgear.pipeline import compile_graph
 
     def f(x, w):
         return torch.relu(x @ w).sum(-1)

@@ -19,7 +19,6 @@ from torch import nn
 import graphgear
 from graphgear.passes import pass_names
 from graphgear.passes import patterns as pattern_mod
-from graphgear.passes.joint import JOINT_LOG
 from graphgear.toy_decoder import DecoderConfig, ToyDecoder
 from tests.helpers import assert_close
 
@@ -41,10 +40,10 @@ def last_record() -> graphgear.stats.GraphRecord:  # type: ignore[name-defined]
 
 @pytest.fixture(autouse=True)
 def _clean_log():
-    JOINT_LOG.clear()
+    graphgear.reset()
     torch._dynamo.reset()
     yield
-    JOINT_LOG.clear()
+    graphgear.reset()
     pattern_mod.clear_replacements()
 
 
@@ -263,7 +262,7 @@ def test_reinplace_switch():
 
 def test_fusions_fire_on_decoder_inference_and_match_eager(rms_kernel):
     run_decoder(eager_config(fx_passes=True))
-    (entry,) = JOINT_LOG
+    (entry,) = graphgear.stats().joint
     assert not entry["training"]
     # 2 layers: 2 norms each + the final norm; rotary on q and k; one attention per layer
     assert entry["matches"]["rms_norm_fusion"] == 5
@@ -281,7 +280,7 @@ def test_no_sdpa_on_cpu_where_inductor_generates_the_code():
     cfg.mode = "reduce-overhead"
     cfg.experimental_config.fx_passes = True
     run_decoder(cfg)
-    (entry,) = JOINT_LOG
+    (entry,) = graphgear.stats().joint
     assert entry["matches"]["attention_fusion"] == 0
     assert entry["matches"]["rotary_fusion"] == 4
 
@@ -291,26 +290,26 @@ def test_no_rms_norm_rewrite_without_a_fused_kernel():
 
     assert not fused_rms_norm_kernel(torch.device("cpu"))  # CompositeImplicit on the CPU
     run_decoder(eager_config(fx_passes=True))
-    (entry,) = JOINT_LOG
+    (entry,) = graphgear.stats().joint
     assert entry["matches"]["rms_norm_fusion"] == 0
     assert entry["matches"]["rotary_fusion"] == 4 and entry["matches"]["attention_fusion"] == 2
 
 
 def test_fusions_off_by_default():
     run_decoder(eager_config())
-    assert JOINT_LOG == []
+    assert graphgear.stats().joint == []
 
 
 def test_each_fusion_switchable_by_name(rms_kernel):
     run_decoder(eager_config(fx_passes=True, disabled_passes=("attention_fusion", "rotary_fusion")))
-    (entry,) = JOINT_LOG
+    (entry,) = graphgear.stats().joint
     assert entry["matches"]["rms_norm_fusion"] == 5
     assert "attention_fusion" not in entry["matches"] and "rotary_fusion" not in entry["matches"]
 
 
 def test_fusions_in_training_keep_gradients():
     run_decoder(eager_config(fx_passes=True), train=True)
-    (entry,) = JOINT_LOG
+    (entry,) = graphgear.stats().joint
     assert entry["training"] and entry["pre_grad"]  # fused before differentiation
     assert entry["matches"]["rotary_fusion"] == 4
     assert entry["matches"]["attention_fusion"] == 2
@@ -319,7 +318,7 @@ def test_fusions_in_training_keep_gradients():
 
 def test_fusions_in_training_rms_norm_with_a_fused_kernel(rms_kernel):
     run_decoder(eager_config(fx_passes=True), train=True)
-    (entry,) = JOINT_LOG
+    (entry,) = graphgear.stats().joint
     assert entry["training"]
     assert entry["matches"] == {"joint_remove_noops": entry["matches"]["joint_remove_noops"],
                                 "rms_norm_fusion": 5, "rotary_fusion": 4, "attention_fusion": 2}
@@ -371,7 +370,7 @@ def test_fusions_do_not_fire_where_the_pattern_differs(variant, rms_kernel):
         out, ref = f(*args), m(*args)
     for a, b in zip(out, ref):
         assert_close(a, b, reduction=16)
-    (entry,) = JOINT_LOG
+    (entry,) = graphgear.stats().joint
     assert entry["matches"]["rms_norm_fusion"] == 0
     assert entry["matches"]["rotary_fusion"] == 0
     assert entry["matches"]["attention_fusion"] == 0
@@ -389,7 +388,7 @@ def test_training_with_dynamic_shapes_falls_back_to_joint_passes():
     grad, x.grad = x.grad, None
     f(x, cos, sin).backward()
     assert_close(grad, x.grad, reduction=8)
-    (entry,) = JOINT_LOG
+    (entry,) = graphgear.stats().joint
     assert entry["training"] and not entry["pre_grad"]  # symbolic sizes: the joint graph
     assert entry["matches"]["rotary_fusion"] == 1
 
@@ -409,7 +408,7 @@ def test_fusions_do_not_fire_where_the_pattern_differs_in_training(variant, rms_
     check_against_eager(Block(variant), inputs,
                         lambda m: torch.compile(m, backend=graphgear.get_backend(cfg)),
                         train=True, steps=1)
-    (entry,) = [e for e in JOINT_LOG if e["training"]][:1]
+    (entry,) = [e for e in graphgear.stats().joint if e["training"]][:1]
     assert entry["matches"]["rms_norm_fusion"] == 0
     assert entry["matches"]["rotary_fusion"] == 0
     assert entry["matches"]["attention_fusion"] == 0
@@ -425,7 +424,7 @@ def test_attention_with_bool_mask_is_not_rewritten():
     mask = torch.ones(4, 4, dtype=torch.bool).tril()
     out = torch.compile(f, backend=graphgear.get_backend(eager_config(fx_passes=True)))(q, k, v, mask)
     assert_close(out, f(q, k, v, mask), reduction=8)
-    assert JOINT_LOG[-1]["matches"]["attention_fusion"] == 0
+    assert graphgear.stats().joint[-1]["matches"]["attention_fusion"] == 0
 
 
 # ---------------------------------------------------------------- fused ops
@@ -487,7 +486,7 @@ def _run_hf(model: nn.Module, cfg: graphgear.CompilerConfig, train: bool) -> Non
 @pytest.mark.slow
 def test_llama_inference_fusions(rms_kernel):
     _run_hf(_llama(), eager_config(fx_passes=True), train=False)
-    (entry,) = JOINT_LOG
+    (entry,) = graphgear.stats().joint
     assert entry["matches"]["rms_norm_fusion"] == 5
     assert entry["matches"]["rotary_fusion"] == 4
     assert entry["matches"]["attention_fusion"] == 2
@@ -498,7 +497,7 @@ def test_llama_inference_fusions(rms_kernel):
 @pytest.mark.slow
 def test_gpt2_inference_fusions():
     _run_hf(_gpt2(), eager_config(fx_passes=True), train=False)
-    (entry,) = JOINT_LOG
+    (entry,) = graphgear.stats().joint
     # no RMSNorm (LayerNorm) and no rotary in GPT-2: nothing to rewrite there
     assert entry["matches"]["rms_norm_fusion"] == 0
     assert entry["matches"]["rotary_fusion"] == 0
@@ -529,7 +528,7 @@ def _hf_train_check(model: nn.Module, cfg: graphgear.CompilerConfig) -> list[set
 def test_hf_training_with_fusions_keeps_gradients(which, rms_kernel):
     model = _llama() if which == "llama" else _gpt2()
     seen = _hf_train_check(model, eager_config(fx_passes=True))
-    (entry,) = JOINT_LOG
+    (entry,) = graphgear.stats().joint
     assert entry["training"] and entry["pre_grad"]
     m = entry["matches"]
     if which == "llama":
@@ -551,7 +550,7 @@ def test_hf_training_with_fusions_max_autotune(which, rms_kernel):
     cfg.experimental_config.fx_passes = True
     model = _llama() if which == "llama" else _gpt2()
     _hf_train_check(model, cfg)
-    (entry,) = JOINT_LOG
+    (entry,) = graphgear.stats().joint
     m = entry["matches"]
     # attention stays Inductor's on the CPU (measured faster than the SDPA kernel there)
     if which == "llama":

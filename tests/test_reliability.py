@@ -913,17 +913,16 @@ def test_item19_tolerance_scales_with_magnitude_reduction_and_dtype() -> None:
 def test_item19_decoder_training_gradients_at_one_and_two_threads() -> None:
     """The training check of test_passes (fusions on, gradients vs eager) at 1 and 2
     intra-op threads: summation order differs, the policy accepts it."""
-    from graphgear.passes.joint import JOINT_LOG
     from tests.test_passes import eager_config, run_decoder
 
     before = torch.get_num_threads()
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            JOINT_LOG.clear()
+            graphgear.reset()
             torch._dynamo.reset()
             graphgear.reset()
             run_decoder(eager_config(fx_passes=True), train=True)
     finally:
         torch.set_num_threads(before)
-        JOINT_LOG.clear()
+        graphgear.reset()

@@ -11,13 +11,16 @@ Tested on torch 2.13.0 (CPU build, CI) and 2.11.0 (CUDA 13 build, on a lent H200
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 __all__ = [
     "StorageWeakRef",
+    "fake_mode_of",
     "has_internal_overlap",
     "non_owning_storage",
+    "stable_topological_sort",
     "storage_poisoner_builtin",
 ]
 
@@ -79,3 +82,22 @@ def storage_poisoner_builtin() -> Callable[[int, str], None] | None:
     poisons one tensor and leaves its views readable."""
     return getattr(torch._C, "_set_storage_data_ptr_access_error_msg", None)
 
+
+def stable_topological_sort(graph: torch.fx.Graph) -> None:
+    """Reorder ``graph`` so every node follows its inputs, keeping the order otherwise.
+
+    ``torch._inductor.pattern_matcher.stable_topological_sort``: present in 2.11 to 2.14.
+    Without it graphgear's pattern replacements could leave a node before an input."""
+    from torch._inductor.pattern_matcher import stable_topological_sort as sort
+
+    sort(graph)
+
+
+def fake_mode_of(values: Any) -> Any:
+    """The fake mode of the first fake tensor among ``values`` (or of the active tracing
+    context), None when there is none.
+
+    ``torch._guards.detect_fake_mode``: present in 2.11 to 2.14."""
+    from torch._guards import detect_fake_mode
+
+    return detect_fake_mode(list(values))

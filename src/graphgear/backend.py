@@ -27,12 +27,14 @@ import torch
 from torch import fx
 
 from . import debug
-from .compilers import compile_graph, mode_of
-from .config import CompilerConfig, apply_options
+from .capture import MemoryPool
+from .compilers.inductor import inductor_decompositions
+from .config import CompilerConfig, apply_options, mode_of
 from .errors import ConfigError, GraphgearError
 from .gears import guard_gears_shape, set_dim_gears
 from .inputs import GraphInputs
 from .passes.joint import joint_graph_passes, pre_grad_fusions
+from .pipeline import compile_graph
 
 log = logging.getLogger(__name__)
 
@@ -127,11 +129,11 @@ def _get_partition_fn(config: CompilerConfig, pre_grad_done: bool = False) -> Ca
 
 
 def default_decompositions(config: CompilerConfig) -> dict[Any, Any]:
-    """Decompositions per mode: Inductor's table for max-autotune; none otherwise, so the
-    captured graphs keep ATen's fused kernels (fewer, larger ops)."""
+    """Decompositions AOTAutograd applies per mode: Inductor's table for max-autotune;
+    none otherwise (run_eagerly runs the aten graph as AOTAutograd gives it;
+    reduce-overhead decomposes each static graph itself before compiling it, in
+    ``compilers.inductor.decompose_static``)."""
     if mode_of(config) == "max-autotune":
-        from .compilers.inductor import inductor_decompositions
-
         return inductor_decompositions()
     return {}
 
@@ -191,6 +193,19 @@ class GraphgearBackend:
             )
         self.config = (compiler_config or CompilerConfig()).copy()
         self.custom_decompositions = dict(custom_decompositions or {})
+        # one MemoryPool per raw device pool handle given to use_custom_pool, so every
+        # graph of this backend that names the handle shares one pool (and its liveness)
+        self._pools: dict[Any, MemoryPool] = {}
+        self._own_pool(self.config)
+
+    def _own_pool(self, config: CompilerConfig) -> None:
+        """Replace a raw device pool handle in ``use_custom_pool`` by this backend's
+        :class:`MemoryPool` for it."""
+        handle = config.capture_config.use_custom_pool
+        if handle is not None and not isinstance(handle, MemoryPool):
+            if handle not in self._pools:
+                self._pools[handle] = MemoryPool(pool_id=handle, name=f"custom {handle}")
+            config.capture_config.use_custom_pool = self._pools[handle]
 
     def get_compiler_config(self) -> None:  # dynamo asks backends for this
         return None
@@ -208,6 +223,7 @@ class GraphgearBackend:
             if _TORCH_MODES[mode] is not None:
                 config.mode = _TORCH_MODES[mode]
         apply_options(config, options)
+        self._own_pool(config)
         return config
 
     def __call__(

@@ -19,6 +19,12 @@ from typing import Any
 
 import torch
 
+from .backend import get_backend
+from .config import CompilerConfig
+from .debug import text_table
+from .dispatch import precompile_gears
+from .gears import set_dim_gears
+from .stats import reset, stats
 from .toy_decoder import DecoderConfig, ToyDecoder
 
 log = logging.getLogger(__name__)
@@ -50,15 +56,13 @@ def _sync(device: torch.device) -> None:
 
 
 def _compile(name: str, model: torch.nn.Module) -> Callable[..., Any]:
-    import graphgear
-
     if name == "eager":
         return model
     if name == "torch.compile":
         return torch.compile(model)
-    cfg = graphgear.CompilerConfig()
+    cfg = CompilerConfig()
     cfg.mode = name.split()[-1]
-    return torch.compile(model, backend=graphgear.get_backend(compiler_config=cfg))
+    return torch.compile(model, backend=get_backend(compiler_config=cfg))
 
 
 def _positions(steps: int, max_len: int) -> list[int]:
@@ -84,9 +88,6 @@ def run_bench(
     chunks, the contenders' order rotating each round, so that a noisy neighbour slows
     every contender alike instead of whichever ran at the time.
     """
-    import graphgear
-    from graphgear.gears import precompile_gears
-
     dev = torch.device(device)
     cfg = decoder_config or DecoderConfig(max_batch_size=max(max(batch_sizes), 1))
     if max(batch_sizes) > cfg.max_batch_size:
@@ -115,15 +116,15 @@ def run_bench(
         tok = streams[b][i]
         if geared and name.startswith("graphgear"):
             tok = tok.clone()
-            graphgear.set_dim_gears(tok, {0: sorted(batch_sizes)})
+            set_dim_gears(tok, {0: sorted(batch_sizes)})
         return tok
 
-    graphgear.reset()
+    reset()
     runners: dict[str, tuple[torch.nn.Module, Callable[..., Any]]] = {}
     results: dict[tuple[str, int], BenchResult] = {}
     for name in contenders:
         model = copy.deepcopy(base)
-        before = len(graphgear.stats().graphs)
+        before = len(stats().graphs)
         if bar is not None:
             bar.set_description(f"compiling {name}")
         try:
@@ -147,7 +148,7 @@ def run_bench(
             if bar is not None:
                 bar.update(len(batch_sizes) * n)
             continue
-        graphs = sum(g.compiles for g in graphgear.stats().graphs[before:])
+        graphs = sum(g.compiles for g in stats().graphs[before:])
         runners[name] = (model, fn)
         for b in batch_sizes:
             results[(name, b)] = BenchResult(name, b, compile_seconds=seconds, graphs=graphs)
@@ -233,8 +234,6 @@ def format_table(results: Sequence[BenchResult]) -> str:
             "-" if r.vs_torch_compile != r.vs_torch_compile else f"{r.vs_torch_compile:.2f}x",
             f"{r.max_abs_diff:.2e}",
         ])
-    from .debug import text_table
-
     return text_table(cols, rows)
 
 

@@ -93,10 +93,27 @@ def inductor_cache_dir(root: str | None = None) -> str:
     return fresh
 
 
+def _torch_default() -> str:
+    """The folder torch writes into ``TORCHINDUCTOR_CACHE_DIR`` itself when unset
+    (``torch._inductor.runtime.cache_dir_utils.default_cache_dir``): importing
+    ``torch._dynamo`` sets the variable to it, so it is no explicit choice."""
+    import getpass
+    import re
+
+    try:
+        user = getpass.getuser()
+    except (KeyError, ModuleNotFoundError, OSError):
+        user = f"uid_{os.getuid()}" if hasattr(os, "getuid") else "unknown_user"
+    return os.path.abspath(os.path.join(tempfile.gettempdir(),
+                                        "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user)))
+
+
 def use_private_inductor_cache() -> str:
     """Set ``TORCHINDUCTOR_CACHE_DIR`` to :func:`inductor_cache_dir` unless already set;
     returns the folder in effect. Call it before Inductor reads the variable."""
     current = os.environ.get(ENV_VAR)
+    if current and os.path.abspath(current) == _torch_default():
+        current = None  # torch put its own default there when torch._dynamo was imported
     if current:
         try:
             os.makedirs(current, 0o700, exist_ok=True)

@@ -336,3 +336,8 @@ def apply_options(config: CompilerConfig, options: Mapping[str, Any] | None) -> 
             section = getattr(section, p)
         setattr(section, leaf, value)
     return config
+
+
+def mode_of(config: CompilerConfig) -> str:
+    """The compiler that runs: ``eager`` under ``debug.run_eagerly``, else ``config.mode``."""
+    return "eager" if config.debug.run_eagerly else config.mode

@@ -32,7 +32,7 @@ import os
 import stat
 import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -153,27 +153,6 @@ def _readlink(path: str) -> str:
 
 # Ops that read device data back to the host or produce data-dependent shapes: a
 # device graph cannot hold them.
-UNCAPTURABLE = {
-    "aten._local_scalar_dense": "reads a tensor value back to the host (.item())",
-    "aten.nonzero": "output shape depends on the data",
-    "aten.masked_select": "output shape depends on the data",
-    "aten.unique": "output shape depends on the data",
-    "aten._unique2": "output shape depends on the data",
-    "aten.unique_consecutive": "output shape depends on the data",
-    "aten.unique_dim": "output shape depends on the data",
-    "aten.repeat_interleave": "output shape depends on the data",
-    "aten.bernoulli": "random numbers: replay would repeat the captured draw",
-    "aten.rand": "random numbers: replay would repeat the captured draw",
-    "aten.randn": "random numbers: replay would repeat the captured draw",
-    "aten.randint": "random numbers: replay would repeat the captured draw",
-    "aten.rand_like": "random numbers: replay would repeat the captured draw",
-    "aten.randn_like": "random numbers: replay would repeat the captured draw",
-    "aten.native_dropout": "random numbers: replay would repeat the captured draw",
-    "aten.normal": "random numbers: replay would repeat the captured draw",
-    "aten.multinomial": "random numbers: replay would repeat the captured draw",
-}
-
-
 def op_key(target: object) -> str:
     """``aten.add`` for ``aten.add.Tensor``; the qualified name for other callables."""
     if isinstance(target, torch._ops.OpOverload):
@@ -183,24 +162,10 @@ def op_key(target: object) -> str:
     return _target_name(target)
 
 
-def op_support(target: object, mode: str) -> tuple[bool, str]:
-    """Whether ``mode`` handles ``target`` natively, and why not."""
-    key = op_key(target)
-    if mode == "reduce-overhead" and key in UNCAPTURABLE:
-        return False, UNCAPTURABLE[key]
-    if mode == "max-autotune" and isinstance(target, torch._ops.OpOverload):
-        from torch._inductor import lowering
-
-        if target in lowering.lowerings or target.overloadpacket in lowering.lowerings:
-            return True, "lowered by Inductor"
-        if target in lowering.fallbacks or target.overloadpacket in getattr(lowering, "fallbacks", ()):
-            return True, "Inductor calls the ATen kernel (fallback)"
-        return False, "no Inductor lowering: runs as an ATen fallback"
-    return True, ""
-
-
-def fx_summary(gm: fx.GraphModule, config: CompilerConfig, graph_name: str, mode: str) -> str | None:
-    """Write the op summary CSV if ``debug.fx_summary.type`` is set; returns the file."""
+def fx_summary(gm: fx.GraphModule, config: CompilerConfig, graph_name: str,
+               support: Callable[[object], tuple[bool, str]]) -> str | None:
+    """Write the op summary CSV if ``debug.fx_summary.type`` is set; returns the file.
+    ``support(target)`` says whether the mode handles an op natively, and why not."""
     if config.debug.fx_summary.type is None:
         return None
     counts: collections.Counter[str] = collections.Counter()
@@ -218,6 +183,6 @@ def fx_summary(gm: fx.GraphModule, config: CompilerConfig, graph_name: str, mode
     w = csv.writer(buf)
     w.writerow(["op", "count", "supported", "note"])
     for key, count in sorted(counts.items()):
-        ok, note = op_support(targets[key], mode)
+        ok, note = support(targets[key])
         w.writerow([key, count, "yes" if ok else "no", note])
     return path if write_dump(path, buf.getvalue()) else None

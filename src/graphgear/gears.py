@@ -1,15 +1,26 @@
-"""Gears: a fixed set of sizes for a dynamic dim, one specialised graph per gear."""
+"""Gears: a fixed set of sizes for a dynamic dim, one specialised graph per gear.
+
+This module holds what the user sets and what the backend checks: ``set_dim_gears``,
+the validation of gears, and :class:`GearPlan` (the allowed graph keys of one graph
+under the merge policy). Run-time dispatch by key, padding and precompilation are in
+:mod:`graphgear.dispatch`."""
 
 from __future__ import annotations
 
+import itertools
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from .errors import GearError
+from .shapes import ShapeInfo
+from .stats import on_reset
 
-__all__ = ["get_dim_gears", "set_dim_gears"]
+log = logging.getLogger(__name__)
+
+__all__ = ["GearPlan", "get_dim_gears", "guard_gears_shape", "set_dim_gears"]
 
 _ATTR = "_graphgear_dim_gears"
 MAX_GEARS = 100
@@ -101,16 +112,6 @@ def restore_global_settings() -> None:
 
 # --------------------------------------------------------------------------- plan
 
-import dataclasses  # noqa: E402
-import itertools  # noqa: E402
-import logging  # noqa: E402
-import threading  # noqa: E402
-from collections.abc import Callable  # noqa: E402
-
-from .shapes import ShapeInfo  # noqa: E402
-
-log = logging.getLogger(__name__)
-
 
 _oblivious_before: list[bool] = []
 
@@ -124,8 +125,9 @@ def _set_oblivious_if_needed(sizes: list[int]) -> None:
         cfg = torch.fx.experimental._config
         if hasattr(cfg, "backed_size_oblivious") and not cfg.backed_size_oblivious:
             _oblivious_before.append(False)
+            on_reset(restore_global_settings)
             log.info(
-                "graphgear: a gear of 1 was set; enabling "
+                "graphgear: size 1 is a gear (or pads up to one); enabling "
                 "torch.fx.experimental._config.backed_size_oblivious so size 1 shares the "
                 "dynamic graph instead of being specialised"
             )
@@ -250,263 +252,3 @@ class GearPlan:
                 f"by dynamic_gears_merge_policy={self.policy!r} ({self.combos}); {hint}."
             )
         return GearError("graphgear: " + "; ".join(parts) + f"; {hint}.")
-
-
-_precompile = threading.local()
-
-
-def precompiling() -> Any:
-    return getattr(_precompile, "progress", None)
-
-
-class GearedGraph:
-    """Run-time dispatch of one AOT graph by graph key.
-
-    ``build(key)`` returns the compiled callable of one key (a static graph in
-    max-autotune and reduce-overhead). With a :class:`GearPlan`, a key outside the
-    gears raises :class:`GearError` before any work, or with ``gear_padding`` runs the
-    next gear up on zero-padded inputs and slices every output dim of that size back.
-    """
-
-    def __init__(
-        self,
-        info: ShapeInfo,
-        plan: GearPlan | None,
-        build: Callable[[tuple[int, ...]], Callable[..., Any]],
-        *,
-        padding: bool,
-        out_specs: list[Any],
-        mutated: Sequence[int],
-        record: Any,
-        calls_to_build: int = 1,
-        unsliceable: Sequence[UnsliceableDim] = (),
-    ) -> None:
-        self.info = info
-        self.plan = plan
-        self.build = build
-        self.padding = padding
-        self.out_specs = out_specs  # per output: {dim: symbol index} for dims of a geared symbol
-        self.unsliceable = list(unsliceable)  # output dims whose size is an expression of one
-        self.mutated = list(mutated)
-        self.record = record
-        self.compiled: dict[tuple[int, ...], Callable[..., Any]] = {}
-        self.warmed: set[tuple[int, ...]] = set()
-        self.calls_to_build = calls_to_build  # calls that compile (and capture) one key
-        # padded copies of inputs, one per (thread, argument, gear): a stable address, so
-        # a captured graph that binds or mutates it in place is not captured again, and
-        # concurrent callers never share one
-        self._pad_buffers: dict[tuple[int, int, tuple[int, ...]], torch.Tensor] = {}
-        self.per_key = True  # each key is compiled by ``build`` (False: one shared graph)
-        self._lock = threading.Lock()
-        if plan is not None:
-            record.gears = list(plan.combos)
-
-    def _get(self, key: tuple[int, ...]) -> Callable[..., Any]:
-        fn = self.compiled.get(key)
-        if fn is None:
-            with self._lock:
-                fn = self.compiled.get(key)
-                if fn is None:
-                    fn = self.build(key)
-                    self.compiled[key] = fn
-        return fn
-
-    def __call__(self, *args: Any) -> Any:
-        key = self.info.key(args)
-        if self.plan is not None and precompiling() is not None:
-            self.precompile(args)
-        if self.plan is None or self.plan.allowed(key):
-            return self._get(key)(*args)
-        target = self.plan.pad_target(key) if self.padding else None
-        if target is None:
-            raise self.plan.error(key, self.padding)
-        return self._run_padded(args, key, target)
-
-    def _run_padded(self, args: Sequence[Any], key: tuple[int, ...], target: tuple[int, ...]) -> Any:
-        info = self.info
-        grow = {i: (key[i], target[i]) for i in range(len(key)) if key[i] != target[i]}
-        self._check_sliceable(key, target, grow)
-        size = info.size_at(target)
-        new_args = list(args)
-        padded: list[int] = []
-        for j, v in enumerate(info.vals):
-            a = args[j]
-            if isinstance(v, torch.SymInt):
-                new_args[j] = size(v)
-            elif isinstance(v, torch.Tensor) and isinstance(a, torch.Tensor):
-                shape = info.shape_at(j, target)
-                if shape == list(a.shape):
-                    continue
-                k = (threading.get_ident(), j, target)
-                p = self._pad_buffers.get(k)
-                if p is None or list(p.shape) != shape or p.dtype != a.dtype or p.device != a.device:
-                    p = a.new_zeros(shape)
-                    self._pad_buffers[k] = p
-                else:
-                    p.zero_()
-                p[tuple(slice(0, n) for n in a.shape)] = a
-                new_args[j] = p
-                padded.append(j)
-        out = self._get(target)(*new_args)
-        for j in padded:
-            if j in self.mutated:  # write the real rows back into the caller's tensor
-                args[j].copy_(new_args[j][tuple(slice(0, n) for n in args[j].shape)])
-        return self._slice_outputs(out, grow)
-
-    def _check_sliceable(
-        self, key: tuple[int, ...], target: tuple[int, ...], grow: dict[int, tuple[int, int]]
-    ) -> None:
-        """Refuse, before any work, to pad a size that an output carries in an expression
-        (``2*s`` from ``cat([x, x])``, ``3*s`` from ``reshape(-1)``): the padded rows sit
-        inside the result, not at its end, so no slice gives the real values."""
-        for u in self.unsliceable:
-            hit = sorted(i for i in u.symbols if i in grow)
-            if not hit:
-                continue
-            assert self.plan is not None
-            padded = "; ".join(
-                f"input {self.plan.where[i][0]!r} dim {self.plan.where[i][1]} "
-                f"({self.info.symbols[i]}) has size {grow[i][0]}, padded to gear {grow[i][1]}"
-                for i in hit
-            )
-            gears = ", ".join(
-                f"{self.plan.where[i][0]!r} dim {self.plan.where[i][1]}: {self.plan.sym_gears[i]}"
-                for i in hit
-            )
-            raise GearError(
-                f"graphgear: gear padding cannot run this call: {padded}, but output "
-                f"{u.output} ({u.node}) has size {u.expr} at dim {u.dim}, an expression of "
-                "the padded size, so the real values cannot be sliced out of the padded "
-                f"result. Pass sizes that are gears ({gears}), or turn padding off "
-                "(config.inference_config.gear_padding = False)."
-            )
-
-    def _slice_outputs(self, out: Any, grow: dict[int, tuple[int, int]]) -> Any:
-        seq = list(out) if isinstance(out, list | tuple) else [out]
-        for k, spec in enumerate(self.out_specs):
-            if k >= len(seq) or not isinstance(seq[k], torch.Tensor) or not spec:
-                continue
-            t = seq[k]
-            for d, i in spec.items():
-                if i in grow:
-                    t = t.narrow(d, 0, grow[i][0])
-            seq[k] = t
-        if isinstance(out, tuple):
-            return tuple(seq)
-        if isinstance(out, list):
-            return seq
-        return seq[0]
-
-    def precompile(self, args: Sequence[Any]) -> None:
-        """Compile (and in reduce-overhead capture) every gear now, with inputs made from
-        ``args`` by zero-padding or narrowing the geared dims; inputs the graph mutates are
-        restored afterwards."""
-        assert self.plan is not None
-        progress = precompiling()
-        keys = [k for k in self.plan.all_keys(self.info.key(args)) if k not in self.warmed]
-        snapshot = {j: args[j].clone() for j in self.mutated if isinstance(args[j], torch.Tensor)}
-        bar = progress.get("bar")
-        for key in keys:
-            fn = self._get(key)
-            resized = _resize_args(self.info, args, key)
-            with torch.no_grad():
-                for _ in range(self.calls_to_build):
-                    fn(*resized)
-            self.warmed.add(key)
-            if bar is not None:
-                bar.update(1)
-        for j, saved in snapshot.items():
-            args[j].copy_(saved)
-
-
-def _resize_args(info: ShapeInfo, args: Sequence[Any], key: Sequence[int]) -> list[Any]:
-    """``args`` with every symbolic size set to ``key`` (zero-padded or narrowed)."""
-    size = info.size_at(key)
-    out = list(args)
-    for j, v in enumerate(info.vals):
-        a = args[j]
-        if isinstance(v, torch.SymInt):
-            out[j] = size(v)
-        elif isinstance(v, torch.Tensor) and isinstance(a, torch.Tensor):
-            shape = info.shape_at(j, key)
-            if shape == list(a.shape):
-                continue
-            t = a.new_zeros(shape)
-            common = tuple(slice(0, min(x, y)) for x, y in zip(shape, a.shape))
-            t[common] = a[common]
-            out[j] = t
-    return out
-
-
-def output_specs(gm: Any, info: ShapeInfo) -> list[dict[int, int]]:
-    """For each graph output, which dims carry which symbol (index into info.symbols)."""
-    out_node = next(iter(gm.graph.find_nodes(op="output")))
-    outs = out_node.args[0]
-    outs = outs if isinstance(outs, list | tuple) else [outs]
-    specs: list[dict[int, int]] = []
-    for o in outs:
-        v = o.meta.get("val") if hasattr(o, "meta") else None
-        spec: dict[int, int] = {}
-        if isinstance(v, torch.Tensor):
-            for d, s in enumerate(v.shape):
-                if isinstance(s, torch.SymInt) and s.node.expr in info.symbols:
-                    spec[d] = info.symbols.index(s.node.expr)
-        specs.append(spec)
-    return specs
-
-
-@dataclasses.dataclass(frozen=True)
-class UnsliceableDim:
-    """An output dim whose size is an expression of graph-key symbols other than one
-    symbol itself (``2*s0``, ``3*s0``, ``s0 + 1``): padding those symbols cannot be
-    undone by slicing."""
-
-    output: int  # index among the graph's outputs
-    node: str  # the output node's name
-    dim: int
-    expr: str
-    symbols: frozenset[int]  # indices into ShapeInfo.symbols
-
-
-def unsliceable_outputs(gm: Any, info: ShapeInfo) -> list[UnsliceableDim]:
-    """Every output dim whose size depends on a graph-key symbol without being it."""
-    out_node = next(iter(gm.graph.find_nodes(op="output")))
-    outs = out_node.args[0]
-    outs = outs if isinstance(outs, list | tuple) else [outs]
-    index = {s: i for i, s in enumerate(info.symbols)}
-    found: list[UnsliceableDim] = []
-    for k, o in enumerate(outs):
-        v = o.meta.get("val") if hasattr(o, "meta") else None
-        if not isinstance(v, torch.Tensor):
-            continue
-        for d, s in enumerate(v.shape):
-            if not isinstance(s, torch.SymInt) or s.node.expr in index:
-                continue
-            syms = frozenset(index[f] for f in s.node.expr.free_symbols if f in index)
-            if syms:
-                found.append(UnsliceableDim(k, o.name, d, str(s.node.expr), syms))
-    return found
-
-
-class precompile_gears:  # noqa: N801 - used like a function
-    """Compile (and capture) every gear of every graph a call touches, before serving.
-
-    ``graphgear.inference.precompile_gears(compiled_model, *args, **kwargs)`` calls the
-    compiled model once with ``args``; each geared graph then builds all its gears on
-    inputs derived from ``args`` (inputs it mutates, such as KV caches, are restored).
-    Returns the call's output.
-    """
-
-    def __new__(cls, fn: Callable[..., Any], *args: Any, progress: bool = False, **kwargs: Any) -> Any:
-        bar = None
-        if progress:
-            from tqdm import tqdm
-
-            bar = tqdm(desc="graphgear: building gears", unit="gear", leave=False)
-        _precompile.progress = {"bar": bar}
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            _precompile.progress = None
-            if bar is not None:
-                bar.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
-from .gears import precompile_gears, set_dim_gears
+from .dispatch import precompile_gears
+from .gears import set_dim_gears
 
 __all__ = ["precompile_gears", "set_dim_gears"]

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import fx
 
+from .gears import get_dim_gears
+
 __all__ = [
     "GraphInputs",
     "dynamo_input_names",
@@ -33,8 +35,6 @@ class GraphInputs:
 
     @classmethod
     def from_dynamo(cls, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> GraphInputs:
-        from .gears import get_dim_gears
-
         gears = {i: g for i, x in enumerate(example_inputs) if (g := get_dim_gears(x))}
         return cls(names=dynamo_input_names(gm, len(example_inputs)), dim_gears=gears)
 

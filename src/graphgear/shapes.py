@@ -144,7 +144,6 @@ def specialize(gm: fx.GraphModule, info: ShapeInfo, key: Sequence[int]) -> tuple
         ctx = mode if mode is not None else torch._subclasses.FakeTensorMode()
         with ctx:
             static = make_fx(_Runner(gm), tracing_mode="real", record_module_stack=False)(*args)
-    static.meta["graphgear_key"] = tuple(key)
     return static, args
 
 

@@ -16,9 +16,11 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from .debug import text_table
+
 log = logging.getLogger(__name__)
 
-__all__ = ["GraphRecord", "Stats", "new_record", "register_release", "reset", "stats"]
+__all__ = ["GraphRecord", "Stats", "new_record", "on_reset", "record_joint_passes", "register_release", "reset", "stats"]
 
 
 @dataclasses.dataclass
@@ -50,13 +52,15 @@ class GraphRecord:
 
 
 class Stats:
-    """A snapshot of every :class:`GraphRecord`, in compile order."""
+    """A snapshot of every :class:`GraphRecord`, in compile order, and of what the
+    joint-graph fusion passes found (``joint``: one dict per run, oldest first)."""
 
-    def __init__(self, graphs: list[GraphRecord]) -> None:
+    def __init__(self, graphs: list[GraphRecord], joint: list[dict[str, Any]] | None = None) -> None:
         self.graphs = graphs
+        self.joint = joint or []
 
     def as_dict(self) -> dict[str, Any]:
-        return {"graphs": [g.as_dict() for g in self.graphs]}
+        return {"graphs": [g.as_dict() for g in self.graphs], "joint": [dict(j) for j in self.joint]}
 
     def __len__(self) -> int:
         return len(self.graphs)
@@ -71,8 +75,6 @@ class Stats:
              f"{g.compile_seconds:.3f}", str(g.pool_bytes)]
             for g in self.graphs
         ]
-        from .debug import text_table
-
         table = text_table(cols, rows, rule=False)
         return table if rows else table + "\n(no graphs compiled)"
 
@@ -83,6 +85,23 @@ _lock = threading.Lock()
 _records: list[GraphRecord] = []
 _counter = itertools.count()
 _releasers: list[weakref.ref[Any] | Callable[[], Any]] = []
+_on_reset: list[Callable[[], None]] = []
+_joint: list[dict[str, Any]] = []
+_JOINT_MAX = 1000  # the latest are kept
+
+
+def record_joint_passes(entry: dict[str, Any]) -> None:
+    """Note one run of the joint-graph fusion passes (``stats().joint``)."""
+    with _lock:
+        _joint.append(entry)
+        del _joint[:-_JOINT_MAX]
+
+
+def on_reset(fn: Callable[[], None]) -> None:
+    """Call ``fn`` at the next :func:`reset` (once; a process-wide setting to undo)."""
+    with _lock:
+        if fn not in _on_reset:
+            _on_reset.append(fn)
 
 
 def new_record(stage: str, mode: str) -> GraphRecord:
@@ -105,7 +124,7 @@ def register_release(obj: Any) -> None:
 def stats() -> Stats:
     """Statistics of every graph compiled since the last :func:`reset`."""
     with _lock:
-        return Stats(list(_records))
+        return Stats(list(_records), list(_joint))
 
 
 def reset() -> None:
@@ -122,12 +141,15 @@ def reset() -> None:
         releasers = list(_releasers)
         _releasers.clear()
         _records.clear()
+        _joint.clear()
     for ref in releasers:
         obj = ref() if isinstance(ref, weakref.ref) else ref
         if obj is not None:
             obj.release()
     torch._dynamo.reset()
-    from .gears import restore_global_settings
-
-    restore_global_settings()
+    with _lock:
+        hooks = list(_on_reset)
+        _on_reset.clear()
+    for fn in hooks:
+        fn()
     log.debug("graphgear.reset(): released %d artifacts", len(releasers))

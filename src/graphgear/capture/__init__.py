@@ -1,53 +1,16 @@
-"""``mode="reduce-overhead"``: capture each static graph into a device graph and replay it.
-
-:func:`compile_reduce_overhead` is the mode compiler (``compilers.compile_graph`` calls it
-once per graph key with a static graph). It checks what the device graph cannot hold
-(``fallback``), then returns a :class:`~graphgear.capture.engine.CaptureEngine`, which
-warms up, captures on first use, and replays. Device graphs: ``cpu_graph`` (graphgear's
-own), ``cuda_graph`` (``torch.cuda.CUDAGraph``), ``npu_graph`` (``torch.npu.NPUGraph``).
+"""``mode="reduce-overhead"``'s capture layer: the device-neutral capture engine
+(:class:`~graphgear.capture.engine.CaptureEngine`: keys, static inputs, warm-up, capture,
+replay, liveness, limits, threads), its memory pools, the capture rules
+(:mod:`~graphgear.capture.rules`), and one module per device graph: ``cpu_graph``
+(graphgear's own), ``cuda_graph`` (``torch.cuda.CUDAGraph``), ``npu_graph``
+(``torch.npu.NPUGraph``). The mode compiler that uses it is
+``graphgear.compilers.reduce_overhead``.
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
-
-from torch import fx
-
-from ..errors import CaptureError
-from .engine import CaptureEngine, UncapturedGraph, find_uncapturable, graph_device, warn
+from .engine import CaptureEngine, UncapturedGraph
 from .pool import MemoryPool
+from .rules import find_uncapturable, graph_device
 
-if TYPE_CHECKING:
-    from ..compilers.base import CompileContext
-
-log = logging.getLogger(__name__)
-
-__all__ = ["CaptureEngine", "MemoryPool", "compile_reduce_overhead"]
-
-
-def compile_reduce_overhead(
-    gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: CompileContext
-) -> Callable[..., Any]:
-    """The reduce-overhead compiler of one static graph: a boxed callable that captures
-    and replays, or (``fallback="eager"``) runs a graph that cannot be captured as it is."""
-    device = graph_device(example_inputs)
-    blocked = find_uncapturable(gm, device)
-    if blocked:
-        for op, reason in blocked:
-            ctx.record.add_fallback(op, reason)
-        listing = "; ".join(f"{op}: {reason}" for op, reason in blocked)
-        if ctx.config.capture_config.fallback == "raise":
-            raise CaptureError(
-                f"graphgear: {ctx.record.name} ({ctx.stage}) cannot be captured into a "
-                f"{device.type} graph: {listing}. capture_config.fallback='raise' forbids running "
-                f"it uncaptured; set fallback='eager', or move the op out of the compiled region."
-            )
-        warn(
-            f"graphgear: {ctx.record.name} ({ctx.stage}) cannot be captured into a {device.type} "
-            f"graph ({listing}); it runs uncaptured (fallback='eager'). Move the op out of the "
-            f"compiled region to capture the rest, or set fallback='raise' to make this an error."
-        )
-        return UncapturedGraph(gm, ctx.record)
-    return CaptureEngine(gm, example_inputs, ctx, device)
+__all__ = ["CaptureEngine", "MemoryPool", "UncapturedGraph", "find_uncapturable", "graph_device"]

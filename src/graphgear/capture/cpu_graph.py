@@ -23,8 +23,16 @@ every capture of it, also across threads) and cached on disk by Inductor
 The record replaces the allocator of Inductor's generated module through a thread-local
 switch installed once in that module (:func:`_allocator_switch`): concurrent replays in
 different threads, and other users of the same generated module, never see each other's
-record. When Inductor cannot compile a graph the
-CPU graph records the FX graph itself (same memory rules, no speed-up) and says so.
+record. When Inductor cannot compile a graph the CPU graph records the FX graph itself
+(same memory rules, no speed-up) and says so.
+
+Why this hook: Inductor's Python wrapper makes every allocation of a run through one
+function (``empty_strided_cpu``), so serving that function from the record is the one
+place where a whole replay runs in recorded memory without changing the generated code.
+Inductor's own ``memory_planning`` reuses buffers within one run but still allocates
+every run; ``cpp_wrapper`` moves allocation into C++, out of reach, so the CPU graph's
+compile pins it off (``compilers.inductor.compile_static``). Where the allocator is not
+found (a future Inductor), the CPU graph says so in a warning and runs without a record.
 """
 
 from __future__ import annotations
@@ -41,7 +49,7 @@ from .pool import MemoryPool
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CPUExecutor", "CPUGraph", "compile_static"]
+__all__ = ["CPUExecutor", "CPUGraph", "StaticCompiler", "nbytes_of"]
 
 # Inductor's name for the allocator in its generated Python wrapper.
 _ALLOC_NAMES = ("empty_strided_cpu",)
@@ -54,54 +62,9 @@ def nbytes_of(size: Sequence[int], stride: Sequence[int], dtype: torch.dtype) ->
     return span * dtype.itemsize
 
 
-def decompose_static(gm: fx.GraphModule, args: Sequence[Any]) -> fx.GraphModule:
-    """``gm`` re-traced with Inductor's decompositions at the sizes of ``args`` (fake
-    tensors of one fake mode: inputs are not touched)."""
-    from torch._decomp import core_aten_decompositions  # noqa: F401  (registers tables)
-    from torch._guards import tracing
-    from torch._inductor.decomposition import select_decomp_table
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    fake_mode = next(a.fake_mode for a in args if isinstance(a, torch._subclasses.FakeTensor))
-    with unset_fake_temporarily(), tracing(None), fake_mode:
-        return make_fx(gm, decomposition_table=select_decomp_table(), tracing_mode="real",
-                       record_module_stack=False)(*args)
-
-
-def static_fakes(args: Sequence[Any]) -> list[Any]:
-    """Fake copies of ``args`` (static shapes) in a fake mode with a shape env, which
-    Inductor's FX graph cache needs to serve a compile."""
-    from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
-    mode = FakeTensorMode(shape_env=ShapeEnv())
-    with unset_fake_temporarily():
-        return [mode.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a
-                for a in args]
-
-
-def compile_static(
-    gm: fx.GraphModule, args: Sequence[Any], *, stage: str, static_idx: Sequence[int]
-) -> Callable[[list[Any]], Any]:
-    """Inductor-compile a static-shape graph for the CPU graph; boxed callable."""
-    from torch._inductor import config as inductor_config
-    from torch._inductor.compile_fx import compile_fx_inner
-
-    from ..compilers.inductor import cache_context
-
-    fakes = static_fakes(args)
-    dgm = decompose_static(gm, fakes)
-    with cache_context(fakes, replace=True), inductor_config.patch(
-        post_grad_fusion_options={"decompose_mm_pass": {}}, freezing=False,
-        # inputs are bound at capture: their sizes and strides cannot change
-        size_asserts=False, alignment_asserts=False,
-    ):
-        compiled = compile_fx_inner(
-            dgm, fakes, static_input_idxs=list(static_idx),
-            is_inference=stage == "inference", is_backward=stage == "backward",
-        )
-    return compiled
+#: ``compile_static(gm, args, *, stage, static_idx)``: the native code of a static graph
+#: (boxed callable), given by the reduce-overhead compiler (Inductor, ``compilers.inductor``)
+StaticCompiler = Callable[..., Callable[[list[Any]], Any]]
 
 
 def _wrapper_globals(compiled: Any) -> dict[str, Any] | None:
@@ -149,10 +112,12 @@ class CPUExecutor:
     thread-local allocator slot of its module."""
 
     def __init__(self, gm: fx.GraphModule, args: Sequence[Any], *, stage: str,
-                 static_idx: Sequence[int], name: str) -> None:
+                 static_idx: Sequence[int], name: str, compile_static: StaticCompiler | None) -> None:
         self.native = False
         self.slot: threading.local | None = None
         try:
+            if compile_static is None:
+                raise RuntimeError("no native compiler was given")
             compiled = compile_static(gm, args, stage=stage, static_idx=static_idx)
             g = _wrapper_globals(compiled)
         except Exception as e:  # Inductor could not compile it: record the FX graph
@@ -167,6 +132,12 @@ class CPUExecutor:
             self.run: Callable[[list[Any]], Any] = getattr(compiled, "current_callable", None) or compiled
             if g is not None:
                 self.slot = _allocator_switch(g, next(n for n in _ALLOC_NAMES if n in g))
+            else:  # Inductor changed its wrapper: say so, and keep the memory rules
+                log.warning(
+                    "graphgear: %s: Inductor's generated code has no allocator named %s to "
+                    "record (has Inductor changed its Python wrapper?); the CPU graph runs "
+                    "the native code without a record, allocating per replay, and copies "
+                    "its outputs to static buffers.", name, " or ".join(_ALLOC_NAMES))
         else:
             self.run = lambda a: gm(*a)
 

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from .cpu_graph import compile_static
+from .cpu_graph import StaticCompiler
 from .pool import MemoryPool
 
 log = logging.getLogger(__name__)
@@ -41,10 +41,11 @@ def _has_triton() -> bool:
 
 
 def cuda_executor(gm: fx.GraphModule, args: Sequence[Any], *, stage: str,
-                  static_idx: Sequence[int], name: str) -> Callable[[list[Any]], Any]:
-    """The code a CUDA graph captures: Inductor's compile of ``gm`` when Triton is
+                  static_idx: Sequence[int], name: str,
+                  compile_static: StaticCompiler | None) -> Callable[[list[Any]], Any]:
+    """The code a CUDA graph captures: ``compile_static`` (Inductor) when Triton is
     importable, else the FX graph. Boxed (``fn(list_of_args)``)."""
-    if _has_triton():
+    if compile_static is not None and _has_triton():
         try:
             return compile_static(gm, args, stage=stage, static_idx=static_idx)
         except Exception as e:
@@ -56,7 +57,6 @@ def cuda_executor(gm: fx.GraphModule, args: Sequence[Any], *, stage: str,
 class CUDAGraph:
     """One captured static graph on a CUDA device."""
 
-    api = "cuda"
     #: capture does not run the graph (the warm-up's mutations are undone)
     runs_at_capture = False
     #: input addresses are baked into the graph: a moved input means a new capture

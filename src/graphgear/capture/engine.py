@@ -27,7 +27,7 @@ captured graphs of that graph and applies the rules of DESIGN.md:
   the fix (``liveness``). ``clone_output`` returns fresh tensors (always done for
   training graphs, whose outputs are saved for backward or become gradients, and
   outlive the next replay, and where this process cannot poison storages).
-* **what cannot be captured** (``debug.UNCAPTURABLE``: ``.item()``, data-dependent
+* **what cannot be captured** (``rules.UNCAPTURABLE``: ``.item()``, data-dependent
   shapes, random numbers outside CUDA; CPU work inside a device graph; a capture that
   fails) follows ``fallback``: ``"eager"`` runs the graph uncaptured with one warning,
   ``"raise"`` raises :class:`graphgear.CaptureError`; ``stats()`` names op and reason.
@@ -47,29 +47,28 @@ import dataclasses
 import itertools
 import logging
 import threading
-import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import fx
 
-from .. import debug
 from .._torch import StorageWeakRef, has_internal_overlap
 from ..errors import CaptureError
 from ..stats import register_release
 from . import liveness
-from .cpu_graph import CPUExecutor, CPUGraph, nbytes_of
+from .cpu_graph import CPUExecutor, CPUGraph, StaticCompiler, nbytes_of
 from .cuda_graph import CUDAGraph, cuda_executor
 from .npu_graph import NPUGraph, npu_available, npu_executor
 from .pool import MemoryPool
+from .rules import warn
 
 if TYPE_CHECKING:
-    from ..compilers.base import CompileContext
+    from ..context import CompileContext
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CaptureEngine", "CaptureGroup", "UncapturedGraph", "find_uncapturable", "graph_device"]
+__all__ = ["CaptureEngine", "CaptureGroup", "UncapturedGraph"]
 
 
 @dataclasses.dataclass
@@ -77,20 +76,19 @@ class CaptureGroup:
     """State shared by the engines of one FX graph (all its keys)."""
 
     pool: MemoryPool
+    custom_pool: MemoryPool | None = None
     captures: int = 0
     limit_warned: bool = False
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
 
-_CUSTOM_POOLS: dict[Any, MemoryPool] = {}
 _serial = itertools.count()
 
 
 def _group(ctx: CompileContext) -> CaptureGroup:
-    group = getattr(ctx, "_graphgear_capture_group", None)
-    if group is None:
-        group = CaptureGroup(pool=MemoryPool(name=ctx.record.name))
-        ctx._graphgear_capture_group = group  # type: ignore[attr-defined]
+    if ctx.capture_group is None:
+        ctx.capture_group = CaptureGroup(pool=MemoryPool(name=ctx.record.name))
+    group: CaptureGroup = ctx.capture_group
     return group
 
 
@@ -100,62 +98,14 @@ def _pool_for(ctx: CompileContext, group: CaptureGroup) -> MemoryPool:
     if custom is not None:
         if isinstance(custom, MemoryPool):
             return custom
-        if custom not in _CUSTOM_POOLS:  # a raw device pool handle
-            _CUSTOM_POOLS[custom] = MemoryPool(pool_id=custom, name=f"custom {custom}")
-        return _CUSTOM_POOLS[custom]
+        # a raw device pool handle: the backend turns it into its MemoryPool; one that
+        # reaches here (a compiler built without a backend) serves this FX graph
+        if group.custom_pool is None:
+            group.custom_pool = MemoryPool(pool_id=custom, name=f"custom {custom}")
+        return group.custom_pool
     if cc.reuse_pool_across_gears:
         return group.pool
     return MemoryPool(name=f"{ctx.record.name} (private)")
-
-
-def graph_device(example_inputs: Sequence[Any]) -> torch.device:
-    """The device a graph runs on: its first non-CPU tensor input, else the CPU."""
-    for a in example_inputs:
-        if isinstance(a, torch.Tensor) and a.device.type not in ("cpu", "meta"):
-            return a.device
-    return torch.device("cpu")
-
-
-_CONTROL_FLOW = {"cond", "while_loop", "higher_order.cond", "higher_order.while_loop"}
-_EFFECTS = {"with_effects", "higher_order.with_effects"}
-
-
-def find_uncapturable(gm: fx.GraphModule, device: torch.device) -> list[tuple[str, str]]:
-    """``(op, reason)`` for every op of ``gm`` a ``device`` graph cannot hold."""
-    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
-
-    found: list[tuple[str, str]] = []
-    for n in gm.graph.nodes:
-        if n.op != "call_function":
-            continue
-        key = debug.op_key(n.target)
-        reason = debug.UNCAPTURABLE.get(key)
-        if reason is None and key in _CONTROL_FLOW:
-            reason = "control flow that depends on the data: a graph replays one fixed path"
-        if reason is None and key in _EFFECTS and device.type != "cpu":
-            reason = (f"an op with a host side effect ({n.args[1] if len(n.args) > 1 else key}): "
-                      f"a {device.type.upper()} graph replays only device work")
-        if reason is not None:
-            # CUDA graphs replay RNG safely: the generator's offset advances per replay.
-            if not (device.type == "cuda" and reason.startswith("random numbers")):
-                found.append((key, reason))
-            continue
-        val = n.meta.get("val")
-        try:
-            if val is not None and free_unbacked_symbols(val):
-                found.append((key, "output shape depends on the data"))
-                continue
-        except Exception:
-            pass
-        if device.type != "cpu" and isinstance(val, torch.Tensor) and val.device.type == "cpu" \
-                and val.numel() != 1:
-            found.append((key, f"runs on the CPU inside a {device.type.upper()} graph"))
-    return found
-
-
-def warn(msg: str) -> None:
-    warnings.warn(msg, UserWarning, stacklevel=3)
-    log.warning(msg)
 
 
 class UncapturedGraph:
@@ -192,8 +142,9 @@ class CaptureEngine:
     _boxed_call = True
 
     def __init__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: CompileContext,
-                 device: torch.device) -> None:
+                 device: torch.device, compile_static: StaticCompiler | None = None) -> None:
         self.gm = gm
+        self.compile_static = compile_static
         self.ctx = ctx
         self.record = ctx.record
         self.device = device
@@ -342,7 +293,8 @@ class CaptureEngine:
 
     def _compile(self, args: list[Any]) -> Any:
         """The code every capture of this graph runs (compiled once per engine)."""
-        kw = dict(stage=self.ctx.stage, static_idx=self.static_idx, name=self.record.name)
+        kw = dict(stage=self.ctx.stage, static_idx=self.static_idx, name=self.record.name,
+                  compile_static=self.compile_static)
         if self.device.type == "cpu":
             return CPUExecutor(self.gm, args, **kw)
         if self.device.type == "cuda":

@@ -38,7 +38,6 @@ def npu_available() -> bool:
 class NPUGraph(CUDAGraph):
     """One captured static graph on an Ascend NPU."""
 
-    api = "npu"
 
     def _mod(self) -> Any:
         return torch.npu  # type: ignore[attr-defined]

@@ -71,7 +71,6 @@ class MemoryPool:
         self.name = name
         self._arenas: dict[int, Arena] = {}
         self._lock = threading.Lock()
-        self.invalidations = 0
 
     # ---- per-thread arenas -------------------------------------------------------
     def arena(self) -> Arena:
@@ -168,15 +167,13 @@ class MemoryPool:
             return 0
         handed, a.handed = a.handed, []
         poison = liveness.poisoner()
-        n = liveness.poison_all(handed, msg, poison) if poison is not None else 0
-        self.invalidations += n
-        return n
+        return liveness.poison_all(handed, msg, poison) if poison is not None else 0
 
     def _release_arena(self, a: Arena) -> None:
         handed, a.handed = a.handed, []
         poison = liveness.poisoner() if handed else None
         if poison is not None:
-            self.invalidations += liveness.poison_all(handed, _RESET_MSG, poison)
+            liveness.poison_all(handed, _RESET_MSG, poison)
         a.blocks.clear()
         a.views.clear()
         a.nbytes = 0

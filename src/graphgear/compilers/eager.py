@@ -7,7 +7,7 @@ from typing import Any
 
 from torch import fx
 
-from .base import CompileContext
+from ..context import CompileContext
 
 
 def compile_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: CompileContext) -> Callable[..., Any]:

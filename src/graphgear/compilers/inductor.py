@@ -24,18 +24,20 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from .base import CompileContext
+from ..context import CompileContext
+from ..passes import PASSES_VERSION
+from ..passes.ops import inductor_fused_op_decompositions, inline_decompositions, register_inductor_lowering
 
 log = logging.getLogger(__name__)
 
-__all__ = ["INDUCTOR_PATCHES", "cache_context", "compile_inductor", "inductor_decompositions"]
+__all__ = ["cache_context", "compile_inductor", "compile_static", "decompose_static",
+           "inductor_decompositions", "static_fakes"]
 
-# Inductor options graphgear sets for every max-autotune compile. Measured on the
-# embedded decoder step (benchmarks/bench_max_autotune.py --patches, one run, 2-core CPU,
-# ratio to torch.compile default): none 0.79x, freezing 0.78x, cpp_wrapper 0.77x,
-# max_autotune CPP GEMM 0.81x: all within the run's noise (~10 %), so none is set
-# (freezing would also bake parameters in, wrong for training).
-INDUCTOR_PATCHES: dict[str, Any] = {}
+# max-autotune sets no Inductor option of its own. Measured on the embedded decoder step
+# (benchmarks/bench_max_autotune.py --patches, one run, 2-core CPU, ratio to
+# torch.compile default): none 0.79x, freezing 0.78x, cpp_wrapper 0.77x, max_autotune CPP
+# GEMM 0.81x: all within the run's noise (~10 %) (freezing would also bake parameters
+# in, wrong for training).
 
 
 def inductor_decompositions() -> dict[Any, Any]:
@@ -55,8 +57,6 @@ def cache_context(example_inputs: Sequence[Any], *, replace: bool = False) -> co
     graph's metadata) unless ``replace``; at run time (a gear or a capture built on its
     first call) a fresh one is made from the example inputs' fake mode.
     """
-    from ..passes import PASSES_VERSION
-
     stack = contextlib.ExitStack()
     tag = f"{torch.compiler.config.cache_key_tag}graphgear-passes-v{PASSES_VERSION}"
     stack.enter_context(torch.compiler.config.patch(cache_key_tag=tag))
@@ -70,8 +70,6 @@ def cache_context(example_inputs: Sequence[Any], *, replace: bool = False) -> co
 
 def prepare_for_inductor(gm: fx.GraphModule) -> int:
     """Inline the fused ops Inductor would run as extern kernels; returns how many."""
-    from ..passes.ops import inductor_fused_op_decompositions, inline_decompositions
-
     return inline_decompositions(gm, inductor_fused_op_decompositions())
 
 
@@ -83,6 +81,7 @@ def compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: Com
     """
     from torch._inductor.compile_fx import compile_fx_inner
 
+    register_inductor_lowering()
     spec = _return_tuple(gm)
     inlined = prepare_for_inductor(gm)
     if inlined:
@@ -94,7 +93,7 @@ def compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: Com
         from torch._inductor.utils import count_tangents
 
         static = list(range(count_tangents(gm)))
-    with cache_context(example_inputs), torch._inductor.config.patch(INDUCTOR_PATCHES):
+    with cache_context(example_inputs):
         compiled = compile_fx_inner(
             gm,
             list(example_inputs),
@@ -125,3 +124,55 @@ def _return_tuple(gm: fx.GraphModule) -> Any:
     gm.graph.erase_node(out)
     gm.recompile()
     return spec
+
+
+def decompose_static(gm: fx.GraphModule, args: Sequence[Any]) -> fx.GraphModule:
+    """``gm`` re-traced with Inductor's decompositions at the sizes of ``args`` (fake
+    tensors of one fake mode: inputs are not touched)."""
+    from torch._decomp import core_aten_decompositions  # noqa: F401  (registers tables)
+    from torch._guards import tracing
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    fake_mode = next(a.fake_mode for a in args if isinstance(a, torch._subclasses.FakeTensor))
+    with unset_fake_temporarily(), tracing(None), fake_mode:
+        return make_fx(gm, decomposition_table=select_decomp_table(), tracing_mode="real",
+                       record_module_stack=False)(*args)
+
+
+def static_fakes(args: Sequence[Any]) -> list[Any]:
+    """Fake copies of ``args`` (static shapes) in a fake mode with a shape env, which
+    Inductor's FX graph cache needs to serve a compile."""
+    from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    with unset_fake_temporarily():
+        return [mode.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a
+                for a in args]
+
+
+def compile_static(
+    gm: fx.GraphModule, args: Sequence[Any], *, stage: str, static_idx: Sequence[int]
+) -> Callable[[list[Any]], Any]:
+    """Inductor-compile a static-shape graph for a device graph to capture (the CPU
+    graph records its allocations; a CUDA graph captures its kernels); boxed callable."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    register_inductor_lowering()
+    fakes = static_fakes(args)
+    dgm = decompose_static(gm, fakes)
+    with cache_context(fakes, replace=True), inductor_config.patch(
+        post_grad_fusion_options={"decompose_mm_pass": {}}, freezing=False,
+        # the CPU graph records allocations through the Python wrapper's allocator
+        cpp_wrapper=False,
+        # inputs are bound at capture: their sizes and strides cannot change
+        size_asserts=False, alignment_asserts=False,
+    ):
+        compiled = compile_fx_inner(
+            dgm, fakes, static_input_idxs=list(static_idx),
+            is_inference=stage == "inference", is_backward=stage == "backward",
+        )
+    return compiled

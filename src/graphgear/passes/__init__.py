@@ -13,6 +13,8 @@ Every pass is switchable: its own option where it has one (``remove_noop_ops``,
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
 from typing import Any
 
 from .manager import GraphPass, PassManager, UserPass
@@ -21,10 +23,22 @@ from .patterns import PatternFusion, register_replacement
 from .reinplace import ReinplaceInputs
 from .view_to_reshape import ViewToReshape
 
-# Bump when a pass changes what it does to a graph in a way the graph's text does not
-# show (node metadata Inductor reads): max-autotune adds it to Inductor's cache key, so
-# the on-disk cache never serves code compiled after an older pass pipeline.
-PASSES_VERSION = 2
+
+def _source_hash() -> str:
+    """A hash of every pass's source (this package's files), as vLLM's
+    ``InductorPass.uuid()`` does: a pass that changes what it does to a graph in a way
+    the graph's text does not show (node metadata Inductor reads) changes it, with
+    nobody to remember a bump."""
+    h = hashlib.sha256()
+    for f in sorted(Path(__file__).parent.glob("*.py")):
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+#: Tags Inductor's cache key (``compilers.inductor.cache_context``), so the on-disk
+#: cache never serves code compiled after another version of the passes.
+PASSES_VERSION = _source_hash()
 
 __all__ = [
     "PASSES_VERSION",

@@ -20,15 +20,14 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from .manager import node_val
+
 aten = torch.ops.aten
 
 __all__ = ["fuse_attention"]
 
 _FLAT = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 
-
-def _val(n: object) -> object:
-    return n.meta.get("val") if isinstance(n, fx.Node) else None
 
 
 def _single(n: fx.Node) -> bool:
@@ -49,7 +48,7 @@ def _unflat(n: object) -> tuple[fx.Node, list[fx.Node]] | None:
     if not isinstance(cur, fx.Node) or cur.target is not aten.expand.default or not _single(cur):
         return None
     src = cur.args[0]
-    vs, ve = _val(src), _val(cur)
+    vs, ve = node_val(src), node_val(cur)
     if not isinstance(src, fx.Node) or not isinstance(vs, torch.Tensor) \
             or not isinstance(ve, torch.Tensor) or vs.dim() != 4 or vs.shape != ve.shape:
         return None
@@ -132,7 +131,7 @@ def _match(softmax: fx.Node) -> tuple[dict[str, object], list[fx.Node], fx.Node]
     if out.target not in _FLAT:
         return None
     nodes += passed_p + [bmm2] + passed_v + [out]
-    vq, vk, vv, vo = _val(q), _val(k), _val(v), _val(out)
+    vq, vk, vv, vo = node_val(q), node_val(k), node_val(v), node_val(out)
     if not all(isinstance(t, torch.Tensor) for t in (vq, vk, vv, vo)):
         return None
     if vk.dim() != 4 or vv.dim() != 4 or vo.dim() != 4:  # type: ignore[union-attr]
@@ -145,7 +144,7 @@ def _match(softmax: fx.Node) -> tuple[dict[str, object], list[fx.Node], fx.Node]
     if tuple(vo.shape) != (*vq.shape[:-1], vv.shape[-1]):  # type: ignore[union-attr,index]
         return None
     if mask is not None:
-        vm = _val(mask)
+        vm = node_val(mask)
         scores_shape = torch.Size((*vq.shape[:-1], vk.shape[-2]))  # type: ignore[union-attr,index]
         if not isinstance(vm, torch.Tensor) or vm.dtype != vq.dtype:  # type: ignore[union-attr]
             return None
@@ -169,7 +168,7 @@ def fuse_attention(gm: fx.GraphModule, skip_devices: tuple[str, ...] = ()) -> in
         if m is None:
             continue
         args, nodes, out = m
-        vq0 = _val(args["q"])
+        vq0 = node_val(args["q"])
         if isinstance(vq0, torch.Tensor) and vq0.device.type in skip_devices:
             continue
         kwargs = {"scale": args["scale"]}
@@ -178,13 +177,13 @@ def fuse_attention(gm: fx.GraphModule, skip_devices: tuple[str, ...] = ()) -> in
         with graph.inserting_before(out):
             new = graph.call_function(aten.scaled_dot_product_attention.default,
                                       (args["q"], args["k"], args["v"]), kwargs)
-        vo = _val(out)
-        vq, vk, vv = _val(args["q"]), _val(args["k"]), _val(args["v"])
+        vo = node_val(out)
+        vq, vk, vv = node_val(args["q"]), node_val(args["k"]), node_val(args["v"])
         fake = getattr(vo, "fake_mode", None)
         if fake is not None:
             with fake:
                 new.meta["val"] = torch.ops.aten.scaled_dot_product_attention.default(
-                    vq, vk, vv, attn_mask=_val(args["mask"]) if args["mask"] is not None else None,
+                    vq, vk, vv, attn_mask=node_val(args["mask"]) if args["mask"] is not None else None,
                     scale=args["scale"])
         else:
             new.meta["val"] = vo

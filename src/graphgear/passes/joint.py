@@ -27,6 +27,7 @@ pre-grad stage does not handle, such as dynamic shapes.) Every pass is a :class:
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import logging
 import time
@@ -36,23 +37,19 @@ from typing import Any
 import torch
 from torch import fx
 
-from .manager import GraphPass, PassManager
+from ..config import mode_of
+from ..stats import record_joint_passes
+from . import ops
+from .attention import fuse_attention
+from .manager import GraphPass, PassManager, node_val, sort_and_clean
 from .patterns import PatternSet, Replacement, decomp_kind
 
 log = logging.getLogger(__name__)
 
 aten = torch.ops.aten
 
-__all__ = ["JOINT_LOG", "joint_graph_passes", "joint_pass_manager", "pre_grad_fusions"]
+__all__ = ["joint_graph_passes", "joint_pass_manager", "pre_grad_fusions"]
 
-# one entry per call of joint_graph_passes: what each pass found (tests, benchmarks);
-# the latest _JOINT_LOG_MAX are kept
-JOINT_LOG: list[dict[str, Any]] = []
-_JOINT_LOG_MAX = 1000
-
-
-def _val(n: Any) -> Any:
-    return n.meta.get("val") if isinstance(n, fx.Node) else None
 
 
 def _nodes(match: Any, *targets: Any) -> list[fx.Node]:
@@ -93,7 +90,7 @@ def fused_rms_norm_kernel(device: torch.device) -> bool:
 
 
 def _rms_check(match: Any) -> bool:
-    x, w = _val(match.kwargs.get("x")), _val(match.kwargs.get("w"))
+    x, w = node_val(match.kwargs.get("x")), node_val(match.kwargs.get("w"))
     if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor):
         return False
     if not fused_rms_norm_kernel(x.device):
@@ -109,7 +106,7 @@ def _rms_check(match: Any) -> bool:
     for n in _nodes(match, aten.mean.dim):
         if not _is_last_dim(n.args[1], x.dim()) or not (n.args[2] if len(n.args) > 2 else n.kwargs.get("keepdim")):
             return False
-    out = _val(match.output_nodes()[0]) if match.output_nodes() else None
+    out = node_val(match.output_nodes()[0]) if match.output_nodes() else None
     return not (isinstance(out, torch.Tensor) and out.shape != x.shape)
 
 
@@ -120,13 +117,9 @@ def _rms_inputs(training: bool) -> list[Any]:
 # ---------------------------------------------------------------- rotary
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    h = x.shape[-1] // 2
-    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
-
 
 def _rope_a(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + _rotate_half(x) * sin
+    return x * cos + ops.rotate_half(x) * sin
 
 
 def _rope_b(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -136,13 +129,11 @@ def _rope_b(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 def _rope_replace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    from . import ops  # noqa: F401  (defines graphgear::rotary_rotate_half)
-
     return torch.ops.graphgear.rotary_rotate_half.default(x, cos, sin)
 
 
 def _rope_check(match: Any) -> bool:
-    x, cos, sin = (_val(match.kwargs.get(k)) for k in ("x", "cos", "sin"))
+    x, cos, sin = (node_val(match.kwargs.get(k)) for k in ("x", "cos", "sin"))
     if not all(isinstance(t, torch.Tensor) for t in (x, cos, sin)):
         return False
     if not (x.dtype == cos.dtype == sin.dtype) or not x.dtype.is_floating_point:
@@ -238,15 +229,17 @@ _SOFTMAX_REDUCTIONS = (aten._softmax.default, aten.amax.default, aten.sum.dim_In
                        aten._softmax_backward_data.default)
 
 
-# the decomposition kind of the graph being searched (set by _FusionPass)
-_KIND: dict[str, Any] = {"kind": "aten", "skip_devices": ()}
+# the devices the attention patterns skip in the graph being searched (set by
+# AttentionFusion around its search; the pattern's check reads it)
+_SKIP_DEVICES: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar(
+    "graphgear_attention_skip_devices", default=())
 
 
 def _attn_check(match: Any) -> bool:
-    q, k, v = (_val(match.kwargs.get(n)) for n in ("q", "k", "v"))
+    q, k, v = (node_val(match.kwargs.get(n)) for n in ("q", "k", "v"))
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         return False
-    if q.device.type in _KIND["skip_devices"]:
+    if q.device.type in _SKIP_DEVICES.get():
         return False
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         return False
@@ -256,7 +249,7 @@ def _attn_check(match: Any) -> bool:
     if q.shape[:2] != k.shape[:2] or k.shape[:2] != v.shape[:2] or q.shape[-1] != k.shape[-1] \
             or k.shape[-2] != v.shape[-2]:
         return False
-    mask = _val(match.kwargs.get("mask")) if "mask" in match.kwargs else None
+    mask = node_val(match.kwargs.get("mask")) if "mask" in match.kwargs else None
     scores_shape = (*q.shape[:-1], k.shape[-2])
     if mask is not None:
         if not isinstance(mask, torch.Tensor) or mask.dtype != q.dtype:
@@ -275,7 +268,7 @@ def _attn_check(match: Any) -> bool:
             return False
     for n in _nodes(match, *_SOFTMAX_REDUCTIONS):
         dim = n.args[1]
-        val = _val(n.args[0])
+        val = node_val(n.args[0])
         rank = val.dim() if isinstance(val, torch.Tensor) else 4
         if not _is_last_dim(dim, rank):
             return False
@@ -339,15 +332,9 @@ class _FusionPass(GraphPass):
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], config: Any) -> int:
         group = self.group + ("_training" if _is_joint(gm) else "")
-        _KIND["kind"] = _kind_of(gm, config)
-        n = builtin_patterns().apply(gm, _KIND["kind"], [group])[group]
+        n = builtin_patterns().apply(gm, _kind_of(gm, config), [group])[group]
         if n:
-            from torch._inductor.pattern_matcher import stable_topological_sort
-
-            # replacements go where the match's output was; in a joint graph their
-            # inputs (tangents) can come later
-            stable_topological_sort(gm.graph)
-            gm.graph.eliminate_dead_code()
+            sort_and_clean(gm)
         return n
 
 
@@ -369,17 +356,18 @@ class AttentionFusion(_FusionPass):
     group = "attention"
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], config: Any) -> int:
-        from ..compilers import mode_of
 
         # Where Inductor generates the code (max-autotune, and reduce-overhead's CPU
         # graph), its attention beats the CPU SDPA kernel on the decoder step
         # (benchmarks/bench_passes.py): on the CPU only run_eagerly gets SDPA.
-        _KIND["skip_devices"] = () if mode_of(config) == "eager" else ("cpu",)
+        skip = () if mode_of(config) == "eager" else ("cpu",)
         if _kind_of(gm, config) == "aten" and not _is_joint(gm):
-            from .attention import fuse_attention
-
-            return fuse_attention(gm, skip_devices=_KIND["skip_devices"])
-        return super().__call__(gm, example_inputs, config)
+            return fuse_attention(gm, skip_devices=skip)
+        token = _SKIP_DEVICES.set(skip)
+        try:
+            return super().__call__(gm, example_inputs, config)
+        finally:
+            _SKIP_DEVICES.reset(token)
 
 
 class NormalizeNoops(GraphPass):
@@ -421,9 +409,7 @@ def joint_graph_passes(gm: fx.GraphModule, example_inputs: Sequence[Any], config
     entry = {"training": bool(training) or _is_joint(gm), "kind": _kind_of(gm, config),
              "pre_grad": bool(training), "matches": counts,
              "nodes_before": before, "nodes_after": after, "seconds": time.perf_counter() - t0}
-    JOINT_LOG.append(entry)
-    del JOINT_LOG[:-_JOINT_LOG_MAX]
-    gm.meta["graphgear_joint_passes"] = dict(counts)
+    record_joint_passes(entry)
     log.info("graphgear joint passes (%s, %s): %s; %d -> %d ops in %.3fs",
              "training" if entry["training"] else "inference", entry["kind"], counts, before,
              after, entry["seconds"])

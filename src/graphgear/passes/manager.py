@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from torch import fx
 
 from .. import debug
+from .._torch import stable_topological_sort
 
 if TYPE_CHECKING:
     from ..config import CompilerConfig
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["GraphPass", "PassManager", "UserPass"]
+__all__ = ["GraphPass", "PassManager", "UserPass", "node_val", "sort_and_clean"]
 
 
 class GraphPass:
@@ -62,7 +63,6 @@ class PassManager:
 
     def __init__(self, passes: Sequence[GraphPass]) -> None:
         self.passes = list(passes)
-        self.seconds: dict[str, float] = {}  # pass name -> seconds spent, over all runs
 
     def names(self) -> list[str]:
         return [p.name for p in self.passes]
@@ -100,7 +100,6 @@ class PassManager:
                 gm.recompile()
             dt = time.perf_counter() - t0
             log.debug("graphgear pass %s: %d changes in %.4fs", p.name, changed, dt)
-            self.seconds[p.name] = self.seconds.get(p.name, 0.0) + dt
             if counts is not None:
                 counts[p.name] = counts.get(p.name, 0) + int(changed)
             if record is not None:
@@ -109,3 +108,16 @@ class PassManager:
             if changed and name is not None:
                 debug.dump_graph(gm, config, name, f"after_{p.name}")
         return gm
+
+
+def node_val(n: Any) -> Any:
+    """The fake value a node carries (``meta["val"]``), None for anything else."""
+    return n.meta.get("val") if isinstance(n, fx.Node) else None
+
+
+def sort_and_clean(gm: fx.GraphModule) -> None:
+    """After replacements: put every node after its inputs (a replacement goes where
+    the match's output was; in a joint graph its inputs, the tangents, can come later)
+    and drop what became dead."""
+    stable_topological_sort(gm.graph)
+    gm.graph.eliminate_dead_code()

@@ -20,13 +20,10 @@ from torch import fx
 
 from ..inputs import written_arguments
 from ..shapes import known_equal
-from .manager import GraphPass
+from .manager import GraphPass, node_val
 
 aten = torch.ops.aten
 
-
-def _val(n: Any) -> Any:
-    return n.meta.get("val") if isinstance(n, fx.Node) else None
 
 
 def _same_meta(a: Any, b: Any) -> bool:
@@ -43,7 +40,7 @@ def _same_meta(a: Any, b: Any) -> bool:
 def _storage(n: Any) -> int | None:
     """An id of the memory a node's value lives in (its fake tensor's storage, shared by
     every view of it); None when the node has no tensor value."""
-    v = _val(n)
+    v = node_val(n)
     if not isinstance(v, torch.Tensor) or not torch._C._has_storage(v):
         return None
     return v.untyped_storage()._cdata
@@ -123,7 +120,7 @@ class RemoveNoopOps(GraphPass):
     @staticmethod
     def _is_noop(node: fx.Node, src: fx.Node) -> bool:
         t = node.target
-        out, inp = _val(node), _val(src)
+        out, inp = node_val(node), node_val(src)
         if not _same_meta(out, inp):
             return False
         if t in (aten.view.default, aten.reshape.default, aten._unsafe_view.default,

@@ -1,7 +1,9 @@
 """The fused ops the fusion passes rewrite to, and how to undo them for Inductor.
 
-* RMSNorm → ``aten._fused_rms_norm`` (ATen has it in 2.13, with a CPU kernel, an
-  autograd formula and a decomposition); no graphgear op is needed.
+* RMSNorm → ``aten._fused_rms_norm`` (ATen has it in 2.13 with an autograd formula and
+  a decomposition, and a real kernel on CUDA; on the CPU it is CompositeImplicit and
+  traces straight back to aten ops, so the fusion skips the CPU); no graphgear op is
+  needed.
 * Rotate-half rotary embedding → ``graphgear::rotary_rotate_half(x, cos, sin)``
   (``x * cos + rotate_half(x) * sin``), defined here with a CPU/CUDA implementation,
   a fake implementation and an autograd formula.
@@ -29,17 +31,18 @@ log = logging.getLogger(__name__)
 
 aten = torch.ops.aten
 
-__all__ = ["inline_decompositions", "inductor_fused_op_decompositions", "rotary_rotate_half"]
+__all__ = ["inline_decompositions", "inductor_fused_op_decompositions", "register_inductor_lowering",
+           "rotary_rotate_half"]
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def _rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """The unfused formula, as models write it (the decomposition of the fused op)."""
-    return x * cos + _rotate_half(x) * sin
+    return x * cos + rotate_half(x) * sin
 
 
 def _rotary_out_meta(
@@ -102,11 +105,11 @@ def _rotary_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None,
     if ctx.needs_input_grad[0]:
         # d/dx of rotate_half(x) * sin is -rotate_half(grad * sin)
         gs = grad * sin
-        gx = _unbroadcast(grad * cos - _rotate_half(gs), x)
+        gx = _unbroadcast(grad * cos - rotate_half(gs), x)
     if ctx.needs_input_grad[1]:
         gcos = _unbroadcast(grad * x, cos)
     if ctx.needs_input_grad[2]:
-        gsin = _unbroadcast(grad * _rotate_half(x), sin)
+        gsin = _unbroadcast(grad * rotate_half(x), sin)
     return gx, gcos, gsin
 
 
@@ -198,7 +201,7 @@ def _replace_outputs(graph: fx.Graph, node: fx.Node, out: Any) -> None:
     graph.erase_node(node)
 
 
-def _register_inductor_lowering() -> None:
+def register_inductor_lowering() -> None:
     """Give Inductor a lowering for ``graphgear::rotary_rotate_half`` built from its own
     pointwise lowerings, so any Inductor compile (max-autotune, the CPU graph) fuses it
     into generated code instead of calling back into Python."""
@@ -223,4 +226,3 @@ def _register_inductor_lowering() -> None:
             lowerings[aten.mul.Tensor](x, cos), lowerings[aten.mul.Tensor](rot, sin))
 
 
-_register_inductor_lowering()

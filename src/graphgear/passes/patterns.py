@@ -13,6 +13,7 @@ pattern to the post-grad ``pattern_fusion`` pass (``experimental_config.pattern_
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -21,7 +22,8 @@ from typing import Any
 import torch
 from torch import fx
 
-from .manager import GraphPass
+from ..config import mode_of
+from .manager import GraphPass, sort_and_clean
 
 log = logging.getLogger(__name__)
 
@@ -31,16 +33,10 @@ __all__ = [
     "Replacement",
     "decomp_kind",
     "register_replacement",
-    "registered_replacements",
 ]
-
-# "inductor": Inductor's decomposition table (max-autotune); "aten": no decompositions
-DECOMP_KINDS = ("inductor", "aten")
-
 
 def decomp_kind(config: Any) -> str:
     """Which decomposition table made this config's graphs."""
-    from ..compilers import mode_of
 
     return "inductor" if mode_of(config) == "max-autotune" else "aten"
 
@@ -214,14 +210,7 @@ def register_replacement(
 
 
 def _signature_params(fn: Callable[..., Any]) -> list[str]:
-    import inspect
-
     return list(inspect.signature(fn).parameters)
-
-
-def registered_replacements() -> int:
-    """How many user replacements are registered."""
-    return len(_USER)
 
 
 def clear_replacements() -> None:
@@ -242,10 +231,5 @@ class PatternFusion(GraphPass):
         counts = _USER.apply(gm, decomp_kind(config))
         n = sum(counts.values())
         if n:
-            from torch._inductor.pattern_matcher import stable_topological_sort
-
-            # replacements go where the match's output was; in a joint graph their
-            # inputs (tangents) can come later
-            stable_topological_sort(gm.graph)
-            gm.graph.eliminate_dead_code()
+            sort_and_clean(gm)
         return n

@@ -1,13 +1,13 @@
-"""What every mode compiler receives besides the graph."""
+"""What every mode compiler (and the capture engine) receives besides the graph."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ..config import CompilerConfig
-    from ..stats import GraphRecord
+    from .config import CompilerConfig
+    from .stats import GraphRecord
 
 
 @dataclasses.dataclass
@@ -25,3 +25,6 @@ class CompileContext:
     input_names: list[str]
     static_inputs: list[int]
     mutated_inputs: list[int]
+    #: state the capture engines of this graph share (their pool, the capture count);
+    #: set by the reduce-overhead compiler on first use
+    capture_group: Any = None

@@ -1,0 +1,53 @@
+"""``mode="reduce-overhead"``: capture each static graph into a device graph and replay it.
+
+:func:`compile_reduce_overhead` is the mode compiler (the pipeline calls it once per
+graph key with a static graph). It checks what the device graph cannot hold
+(``capture_config.fallback``), then returns a
+:class:`~graphgear.capture.engine.CaptureEngine`, which warms up, captures on first
+use, and replays; the engine compiles the graph's native code with Inductor
+(:func:`graphgear.compilers.inductor.compile_static`) once, on its first capture.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch import fx
+
+from ..capture import CaptureEngine, UncapturedGraph, find_uncapturable, graph_device
+from ..capture.rules import warn
+from ..context import CompileContext
+from ..errors import CaptureError
+from .inductor import compile_static
+
+log = logging.getLogger(__name__)
+
+__all__ = ["compile_reduce_overhead"]
+
+
+def compile_reduce_overhead(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: CompileContext
+) -> Callable[..., Any]:
+    """The reduce-overhead compiler of one static graph: a boxed callable that captures
+    and replays, or (``fallback="eager"``) runs a graph that cannot be captured as it is."""
+    device = graph_device(example_inputs)
+    blocked = find_uncapturable(gm, device)
+    if blocked:
+        for op, reason in blocked:
+            ctx.record.add_fallback(op, reason)
+        listing = "; ".join(f"{op}: {reason}" for op, reason in blocked)
+        if ctx.config.capture_config.fallback == "raise":
+            raise CaptureError(
+                f"graphgear: {ctx.record.name} ({ctx.stage}) cannot be captured into a "
+                f"{device.type} graph: {listing}. capture_config.fallback='raise' forbids running "
+                f"it uncaptured; set fallback='eager', or move the op out of the compiled region."
+            )
+        warn(
+            f"graphgear: {ctx.record.name} ({ctx.stage}) cannot be captured into a {device.type} "
+            f"graph ({listing}); it runs uncaptured (fallback='eager'). Move the op out of the "
+            f"compiled region to capture the rest, or set fallback='raise' to make this an error."
+        )
+        return UncapturedGraph(gm, ctx.record)
+    return CaptureEngine(gm, example_inputs, ctx, device, compile_static=compile_static)

@@ -1,0 +1,123 @@
+"""The package's imports flow one way: backend → pipeline (stats, dumps, passes,
+dispatch by shape) → one compiler per mode → capture per device, with shared leaves
+(errors, ``_torch``, config, context, stats, debug, shapes, gears) at the bottom. No cycle, no upward import,
+no import deferred into a function body to hide one."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parent.parent / "src" / "graphgear"
+
+#: Layers, bottom first. A module may import its own layer's modules and any layer
+#: below; the layer of a module is that of its longest matching prefix.
+LAYERS: list[set[str]] = [
+    {"graphgear.errors", "graphgear._torch", "graphgear.cachedir", "graphgear.toy_decoder"},
+    {"graphgear.config", "graphgear.stats", "graphgear.debug", "graphgear.context"},
+    {"graphgear.shapes", "graphgear.inputs", "graphgear.gears", "graphgear.dispatch"},
+    {"graphgear.capture"},
+    {"graphgear.passes"},
+    {"graphgear.compilers"},
+    {"graphgear.pipeline"},
+    {"graphgear.backend"},
+    {"graphgear.inference", "graphgear.bench"},
+    {"graphgear", "graphgear.cli"},
+]
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for p in SRC.rglob("*.py"):
+        parts = ["graphgear", *p.relative_to(SRC).with_suffix("").parts]
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        mods[".".join(parts)] = p
+    return mods
+
+
+def _layer(mod: str) -> int:
+    best, found = -1, -1
+    for i, layer in enumerate(LAYERS):
+        for name in layer:
+            if (mod == name or mod.startswith(name + ".")) and len(name) > best:
+                best, found = len(name), i
+    assert found >= 0, f"{mod} is in no layer of tests/test_layout.py: add it"
+    return found
+
+
+def _imports(mod: str, path: Path, mods: dict[str, Path]) -> list[tuple[str, int, bool]]:
+    """(imported graphgear module, line, at module level) for every import in ``mod``,
+    leaving out ``if TYPE_CHECKING:`` blocks."""
+    tree = ast.parse(path.read_text())
+    pkg = mod if path.name == "__init__.py" else mod.rsplit(".", 1)[0]
+    type_only: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            type_only |= {id(n) for n in ast.walk(node)}
+    top = {id(n) for n in tree.body} | {id(n) for s in tree.body if isinstance(s, ast.Try | ast.If)
+                                         for n in ast.walk(s)}
+    out = []
+    for node in ast.walk(tree):
+        if id(node) in type_only:
+            continue
+        names: list[str] = []
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            subs = [f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in mods]
+            names = subs or ([target] if target in mods else [])
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names if a.name in mods]
+        for n in names:
+            if n != mod:
+                out.append((n, node.lineno, id(node) in top))
+    return out
+
+
+def _graph() -> dict[str, list[tuple[str, int, bool]]]:
+    mods = _modules()
+    return {m: _imports(m, p, mods) for m, p in mods.items()}
+
+
+def test_no_import_cycle() -> None:
+    graph = {m: {n for n, _, _ in imps} for m, imps in _graph().items()}
+    # a package's __init__ runs before its submodules: that edge is no cycle
+    for m in graph:
+        graph[m] = {n for n in graph[m] if not m.startswith(n + ".")}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for n in sorted(graph.get(m, ())):
+            if state.get(n) == 1:
+                cycle = stack[stack.index(n):] + [n]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if n not in state:
+                visit(n)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+
+
+def test_imports_flow_downward_and_are_not_deferred() -> None:
+    problems = []
+    for mod, imps in sorted(_graph().items()):
+        for target, line, at_top in imps:
+            if mod.startswith(target + "."):
+                continue  # the package a module lives in
+            if _layer(target) > _layer(mod):
+                problems.append(f"{mod}:{line} imports {target} (upward)")
+            elif not at_top and _layer(target) != _layer(mod) and mod not in {"graphgear.cli"}:
+                problems.append(f"{mod}:{line} imports {target} inside a function (deferred)")
+    assert not problems, "\n".join(problems)
