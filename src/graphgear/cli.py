@@ -7,6 +7,10 @@ import logging
 import sys
 from collections.abc import Sequence
 
+import torch
+
+from .bench import CONTENDERS, format_table, run_bench, write_json
+
 
 def _sizes(text: str) -> list[int]:
     try:
@@ -53,10 +57,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-
-    import torch
-
-    from .bench import CONTENDERS, format_table, run_bench, write_json
 
     if args.device not in ("cpu", "cuda", "npu"):
         parser.error(f"--device must be cpu, cuda or npu; got {args.device!r}")

@@ -17,6 +17,7 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
+from .joint import joint_pass_manager
 from .manager import GraphPass, PassManager, UserPass
 from .noop import RemoveNoopOps
 from .patterns import PatternFusion, register_replacement
@@ -66,8 +67,6 @@ def default_passes(config: Any) -> list[GraphPass]:
 
 def pass_names() -> list[str]:
     """Names of every built-in pass, in the order they run (joint passes first)."""
-    from .joint import joint_pass_manager
-
     return joint_pass_manager().names() + [
         RemoveNoopOps.name, PatternFusion.name, ReinplaceInputs.name, ViewToReshape.name,
         "post_grad_custom_pre_pass", "post_grad_custom_post_pass",
