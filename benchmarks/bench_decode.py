@@ -1,0 +1,205 @@
+"""Decode step of a transformers decoder at every batch size, side by side in one run.
+
+    python benchmarks/bench_decode.py [--sizes small,large] [--batch-sizes 1 2 4 8]
+                                      [--steps 50] [--rounds 5] [--threads 1] [--json FILE]
+
+One table per model size. Rows are contenders: eager, ``torch.compile`` default
+(Inductor), graphgear ``max-autotune``, graphgear ``reduce-overhead``, and
+reduce-overhead with ``serving`` (``inference_config.serving=True``: guard filters and
+frozen parameters, see the README); columns are batch sizes. Each cell is µs per decode
+step and the ratio to eager; the last column gives the weight bandwidth at batch 1
+(weight bytes read per step / step time) and its share of the machine's single-thread
+read bandwidth, measured in the same run (``torch.sum`` over a 100 MB tensor).
+
+Models (transformers Qwen2, random weights, built from a config; nothing is downloaded):
+``small`` hidden 256, 4 layers, vocab 2048 (the issue's model); ``large`` hidden 1024, 2
+layers, vocab 8192 (about 100 MB of fp32 weights: they leave the caches); ``tiny`` hidden
+128, 2 layers (where Python around the kernels dominates).
+
+Every contender compiles its own copy of the weights for each batch size (a fresh
+compile: static shapes); timing runs in ``--rounds`` interleaved rounds with rotating
+order so machine noise hits all alike; each cell is the median over rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from graphgear.cachedir import use_private_inductor_cache
+
+use_private_inductor_cache()
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+import graphgear  # noqa: E402
+
+SIZES = {
+    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=2048),
+    "small": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=2048),
+    "large": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=2, num_attention_heads=8,
+                  num_key_value_heads=4, vocab_size=8192),
+}
+CONTENDERS = ("eager", "torch.compile", "gg max-autotune", "gg reduce-overhead", "gg reduce-overhead serving")
+MAX_LEN = 64
+
+
+def build(size: str) -> torch.nn.Module:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(max_position_embeddings=512, bos_token_id=1, eos_token_id=None, pad_token_id=0,
+                      tie_word_embeddings=False, **SIZES[size])
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(cfg).eval()
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes a decode step reads: every parameter but the embedding table (one row)."""
+    emb = model.get_input_embeddings().weight
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p is not emb)
+
+
+def read_bandwidth() -> float:
+    """Single-thread read bandwidth in GB/s: ``torch.sum`` over 100 MB, best of 5."""
+    x = torch.ones(25 * 2**20)
+    best = float("inf")
+    for _ in range(6):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best / 1e9
+
+
+def compiled(name: str, model: torch.nn.Module) -> Callable[..., Any]:
+    if name == "eager":
+        return model
+    if name == "torch.compile":
+        return torch.compile(model)
+    cfg = graphgear.CompilerConfig()
+    cfg.mode = "max-autotune" if name.endswith("max-autotune") else "reduce-overhead"
+    if name.endswith("serving"):
+        cfg.inference_config.serving = True
+    return torch.compile(model, backend=graphgear.get_backend(cfg))
+
+
+class Decoder:
+    """One contender at one batch size: its model copy, compiled forward and cache."""
+
+    def __init__(self, name: str, base: torch.nn.Module, batch: int) -> None:
+        from transformers import StaticCache
+
+        self.model = copy.deepcopy(base)
+        self.fn = compiled(name, self.model)
+        self.cache = StaticCache(config=self.model.config, max_cache_len=MAX_LEN)
+        self.batch = batch
+        self.tok = torch.randint(3, 100, (batch, 1), generator=torch.Generator().manual_seed(batch))
+        self.pos = 0
+
+    def step(self) -> torch.Tensor:
+        if self.pos == MAX_LEN:
+            self.cache.reset()
+            self.pos = 0
+        out = self.fn(input_ids=self.tok, cache=self.cache, use_cache=True,
+                      position_ids=torch.full((self.batch, 1), self.pos))
+        self.pos += 1
+        return out.logits
+
+    def run(self, steps: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            self.step()
+        return (time.perf_counter() - t0) / steps
+
+
+def bench_size(size: str, batches: list[int], steps: int, rounds: int, contenders: list[str]) -> dict[str, Any]:
+    base = build(size)
+    res: dict[str, dict[int, float]] = {c: {} for c in contenders}
+    diffs: dict[str, float] = {}
+    for batch in batches:
+        graphgear.reset()
+        torch._dynamo.reset()
+        with torch.no_grad():
+            decs = {c: Decoder(c, base, batch) for c in contenders}
+            for c, d in decs.items():  # compile, warm up, capture
+                t0 = time.perf_counter()
+                for _ in range(3):
+                    d.step()
+                print(f"  {size} batch {batch} {c}: first steps {time.perf_counter() - t0:.1f} s",
+                      file=sys.stderr, flush=True)
+            # numerics: one fresh step each from the same cache state
+            ref = None
+            for c, d in decs.items():
+                d.cache.reset()
+                d.pos = 0
+                out = d.step().clone()
+                ref = out if ref is None else ref
+                diffs[c] = max(diffs.get(c, 0.0), float((out - ref).abs().max()))
+            samples: dict[str, list[float]] = {c: [] for c in contenders}
+            for r in range(rounds):
+                order = contenders[r % len(contenders):] + contenders[: r % len(contenders)]
+                for c in order:
+                    samples[c].append(decs[c].run(steps))
+        for c in contenders:
+            res[c][batch] = statistics.median(samples[c])
+    return {"size": size, "weight_bytes": weight_bytes(base), "us": res, "max_abs_diff": diffs}
+
+
+def print_table(r: dict[str, Any], batches: list[int], bw: float) -> None:
+    eager = r["us"]["eager"]
+    print(f"\n{r['size']}: weights {r['weight_bytes'] / 1e6:.1f} MB; machine read bandwidth {bw:.1f} GB/s")
+    head = f"{'contender':28s}" + "".join(f"{'batch ' + str(b):>20s}" for b in batches) + f"{'GB/s (batch 1)':>22s}"
+    print(head)
+    for c, per in r["us"].items():
+        cells = "".join(f"{per[b] * 1e6:10.0f} us {per[b] / eager[b]:5.2f}x" for b in batches)
+        b1 = batches[0]
+        gbs = r["weight_bytes"] / per[b1] / 1e9
+        print(f"{c:28s}{cells}{gbs:10.1f} ({100 * gbs / bw:3.0f} %)")
+    if "torch.compile" in r["us"]:
+        tc = r["us"]["torch.compile"]
+        for c in r["us"]:
+            if c.startswith("gg"):
+                print(f"  {c} vs torch.compile: " + ", ".join(
+                    f"batch {b} {r['us'][c][b] / tc[b]:.2f}x" for b in batches)
+                    + f"; batch {batches[-1]} / batch {batches[0]} = "
+                    f"{r['us'][c][batches[-1]] / r['us'][c][batches[0]]:.2f}x")
+    print("  max abs diff of the logits vs eager: "
+          + ", ".join(f"{c} {d:.1e}" for c, d in r["max_abs_diff"].items()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="small", help="comma-separated: tiny, small, large")
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--steps", type=int, default=50, help="steps per contender per round")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--contenders", default=",".join(CONTENDERS))
+    ap.add_argument("--json", help="write the results here")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    contenders = [c for c in a.contenders.split(",") if c]
+    bw = read_bandwidth()
+    results = []
+    for size in a.sizes.split(","):
+        r = bench_size(size, a.batch_sizes, a.steps, a.rounds, contenders)
+        print_table(r, a.batch_sizes, bw)
+        results.append(r)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"read_bandwidth_gbs": bw, "threads": a.threads, "results": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
