@@ -85,6 +85,7 @@ __all__ = [
     "dynamo_graph_arg",
     "fake_mode_of",
     "get_backed_size_oblivious",
+    "has_dynamo_graph_arg",
     "has_internal_overlap",
     "has_kernel_for_dispatch_key",
     "has_storage",
@@ -279,6 +280,11 @@ def dynamo_graph_arg(node: torch.fx.Node) -> Any:
     ``variables.builder`` in 2.13. If it went, inputs would be named by position and graphgear could not tell a
     dynamo graph from a direct call."""
     return node.meta.get("grapharg")
+
+
+def has_dynamo_graph_arg(node: torch.fx.Node) -> bool:
+    """Whether dynamo gave this placeholder a ``GraphArg`` (see :func:`dynamo_graph_arg`)."""
+    return "grapharg" in node.meta
 
 
 # --------------------------------------------------------------------------- AOTAutograd
