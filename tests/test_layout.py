@@ -6,6 +6,9 @@ no import deferred into a function body to hide one."""
 from __future__ import annotations
 
 import ast
+import io
+import re
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -121,3 +124,57 @@ def test_imports_flow_downward_and_are_not_deferred() -> None:
             elif not at_top:
                 problems.append(f"{mod}:{line} imports {target} inside a function (deferred)")
     assert not problems, "\n".join(problems)
+
+
+#: Private torch references: an underscored name anywhere under ``torch.`` (``torch._C``,
+#: ``torch._inductor``, ``torch.utils._pytree``, ``torch.fx.experimental._config``; not
+#: ``torch.ops.aten._foo``, which names an ATen op), an underscored name imported from a
+#: torch module, and the private attributes graphgear reads through ``_torch`` (storage
+#: ids, dynamo's placeholder metadata, the globals of Inductor's generated code).
+_PRIVATE_TORCH = re.compile(
+    r"\btorch(?:\.(?!ops\b)[A-Za-z]\w*)*\._[A-Za-z]"
+    r"|\bfrom\s+torch[\w.]*\s+import\s+.*\b_[A-Za-z]"
+    r"|\._cdata\b|\"grapharg\"|\bcurrent_callable\b|\b__globals__\b"
+)
+
+#: Patterns of private-looking torch names judged public, allowed anywhere. Empty on
+#: purpose: ``torch._dynamo.mark_dynamic`` (documented, but under ``torch._dynamo``) goes
+#: through ``_torch`` too, and dynamo's reset through the public ``torch.compiler.reset``.
+_PUBLIC_ALLOWED: tuple[str, ...] = ()
+
+
+def _code_lines(path: Path) -> list[str]:
+    """The lines of ``path`` with strings, docstrings and comments blanked out."""
+    src = path.read_text()
+    lines = src.splitlines()
+    blank = [list(line) for line in lines]
+    for tok in tokenize.generate_tokens(io.StringIO(src).readline):
+        if tok.type not in (tokenize.STRING, tokenize.COMMENT):
+            continue
+        if tok.type == tokenize.STRING and tok.string.strip("rbuRBU").strip("'\"") == "grapharg":
+            continue  # a dict key, not prose: keep it visible to the scan
+        (r0, c0), (r1, c1) = tok.start, tok.end
+        for r in range(r0, r1 + 1):
+            row = blank[r - 1]
+            lo = c0 if r == r0 else 0
+            hi = c1 if r == r1 else len(row)
+            row[lo:hi] = " " * (hi - lo)
+    return ["".join(row) for row in blank]
+
+
+def test_private_torch_apis_only_in_torch_module() -> None:
+    """Every private torch API is reached through ``graphgear._torch`` (issue 10), so a
+    torch upgrade that moves one breaks in one module, with its version note."""
+    found = []
+    for path in sorted(SRC.rglob("*.py")):
+        if path == SRC / "_torch.py":
+            continue
+        rel = path.relative_to(SRC)
+        for i, line in enumerate(_code_lines(path), 1):
+            code = line
+            for allowed in _PUBLIC_ALLOWED:
+                code = re.sub(allowed, " ", code)
+            if _PRIVATE_TORCH.search(code):
+                found.append(f"src/graphgear/{rel}:{i}: {' '.join(line.split())}")
+    assert not found, ("private torch APIs outside graphgear/_torch.py (add a wrapper there):\n"
+                       + "\n".join(found))

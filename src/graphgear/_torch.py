@@ -1,27 +1,115 @@
 """Every private torch API graphgear relies on, in one place, with its version notes.
 
-Each function here wraps one private (underscore) torch entry point and says which torch
-versions have it and what graphgear does where it is missing. Other modules import these
-wrappers instead of reaching into ``torch._C`` themselves, so a torch upgrade that moves
-something breaks here, visibly, and nowhere else.
+Private means: ``torch._C._*``, ``torch._inductor``, ``torch._functorch``,
+``torch._subclasses``, ``torch._guards``, ``torch._decomp``, ``torch._ops``,
+``torch._dynamo``, ``torch.fx.experimental._config``, ``torch.utils._pytree``,
+``torch.utils._triton``, private storage methods and the globals of Inductor's generated
+code. Other modules import the wrappers and re-exports here instead of reaching into
+those themselves (``tests/test_layout.py::test_private_torch_apis_only_in_torch_module``
+enforces it), so a torch upgrade that moves something breaks here, visibly, and nowhere
+else. This module imports no graphgear module (bottom layer).
+
+Public, and so used directly elsewhere: ``torch.compiler.reset`` (documented; in 2.13
+it is ``import torch._dynamo; torch._dynamo.reset()``), ``torch.compiler.config``,
+``torch.fx`` and ``torch.fx.experimental.proxy_tensor.make_fx`` /
+``torch.fx.experimental.symbolic_shapes`` (not underscored). ``torch._dynamo.mark_dynamic``
+is documented (dynamic-shapes guide) but lives in ``torch._dynamo``, so it is wrapped
+here too; no private name is allowed outside this module.
+
+Left where they are (private attributes of public objects, not modules): an
+``OpOverload``'s ``_schema`` / ``_opname`` / ``_overloadname`` / ``_qualified_op_name``,
+``fx.Node._erased``, AOTAutograd's ``_boxed_call`` protocol, ``make_fx``'s
+``_allow_non_fake_inputs`` keyword, and ATen's underscored ops (``aten._fused_rms_norm``).
+
+Version notes: "checked on 2.13" means the name was imported and exercised by the test
+suite on torch 2.13.0 (CPU build). The 2.11 to 2.14 range is what the project claims;
+where an item could not be checked on other versions the note names the torch code that
+uses the same API in 2.13, which is what keeps it stable in practice.
 
 Tested on torch 2.13.0 (CPU build, CI) and 2.11.0 (CUDA 13 build, on a lent H200).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import inspect
+import logging
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+# Re-exports. ``import torch`` already imports all four modules (checked on 2.13), so
+# importing them here costs nothing.
+#
+# torch._guards.TracingContext / tracing / detect_fake_mode: checked on 2.13; dynamo and
+# AOTAutograd install the context with them (2.11 to 2.14). If they moved, graphgear would
+# lose AOTAutograd's static-input indices, the tracing context its Inductor compiles need
+# for the FX graph cache, and the fake mode of a graph.
+from torch._guards import TracingContext, detect_fake_mode, tracing
+
+# torch._ops.OpOverload / OpOverloadPacket: checked on 2.13; every FX graph traced by
+# make_fx/AOTAutograd has them as call targets (2.11 to 2.14). If they moved, graphgear
+# could not tell aten calls from other callables (op summaries, mutated-input detection,
+# in-place recovery, the aten-graph check).
+from torch._ops import OpOverload, OpOverloadPacket
+
+# torch._subclasses.fake_tensor.FakeTensor / FakeTensorMode / unset_fake_temporarily:
+# checked on 2.13; dynamo, AOTAutograd and Inductor all use them (2.11 to 2.14). If they
+# moved, graphgear could not re-trace graphs (gears, static graphs, decompositions) or
+# tell fake example inputs from real ones.
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+
+# torch.utils._pytree: checked on 2.13; torch's own tree utilities (used throughout
+# dynamo/AOTAutograd, 2.11 to 2.14). If it moved, graphgear could not flatten a graph's
+# outputs for Inductor or the arguments of an op it inlines. ``pytree.tree_flatten`` /
+# ``tree_unflatten`` are all graphgear uses.
+from torch.utils import _pytree as pytree
+
+log = logging.getLogger(__name__)
+
 __all__ = [
+    "INDUCTOR_ALLOC_NAMES",
+    "FakeTensor",
+    "FakeTensorMode",
+    "OpOverload",
+    "OpOverloadPacket",
     "StorageWeakRef",
+    "TracingContext",
+    "aot_module_simplified",
+    "aot_partition_fn",
+    "backend_compiler_failed",
+    "count_tangents",
+    "decomp_fused_rms_norm",
+    "decomp_fused_rms_norm_backward",
+    "dynamo_graph_arg",
     "fake_mode_of",
+    "get_backed_size_oblivious",
+    "has_dynamo_graph_arg",
     "has_internal_overlap",
+    "has_kernel_for_dispatch_key",
+    "has_storage",
+    "has_triton",
+    "inductor_callable",
+    "inductor_compile_fx_inner",
+    "inductor_config_patch",
+    "inductor_decomp_table",
+    "inductor_lowering",
+    "inductor_remove_noop_ops",
+    "inductor_virtual_fake_mode",
+    "inductor_wrapper_globals",
+    "make_boxed_func",
+    "mark_dynamic",
     "non_owning_storage",
+    "pattern_matcher_pass",
+    "pytree",
+    "register_pattern",
+    "set_backed_size_oblivious",
     "stable_topological_sort",
+    "storage_id",
     "storage_poisoner_builtin",
+    "tracing",
+    "unset_fake_temporarily",
 ]
 
 
@@ -98,6 +186,336 @@ def fake_mode_of(values: Any) -> Any:
     context), None when there is none.
 
     ``torch._guards.detect_fake_mode``: present in 2.11 to 2.14."""
-    from torch._guards import detect_fake_mode
-
     return detect_fake_mode(list(values))
+
+
+# --------------------------------------------------------------------------- tensors, ops
+
+
+def has_storage(t: torch.Tensor) -> bool:
+    """Whether ``t`` has a storage (fake tensors do; some subclasses and sparse tensors
+    do not).
+
+    ``torch._C._has_storage``: checked on 2.13; used by torch's own
+    ``torch._subclasses.fake_utils`` and ``torch._inductor.fx_utils`` in 2.13. If it went, the no-op
+    removal pass could not tell which nodes share memory."""
+    return torch._C._has_storage(t)
+
+
+def storage_id(storage: torch.UntypedStorage) -> int:
+    """The address of a storage's ``StorageImpl``: equal for every tensor and view over
+    it, and what the poison functions take.
+
+    ``UntypedStorage._cdata``: checked on 2.13; torch's own ``torch._library.utils``
+    groups tensors by storage the same way in 2.13. If it went, the
+    no-op removal pass could not group nodes by memory and stale outputs could not be
+    poisoned."""
+    return storage._cdata
+
+
+def has_kernel_for_dispatch_key(op_name: str, key: str) -> bool:
+    """Whether the operator ``op_name`` (``"aten::_fused_rms_norm"``) has a kernel of its
+    own registered for dispatch key ``key`` (``"CPU"``, ``"CUDA"``).
+
+    ``torch._C._dispatch_has_kernel_for_dispatch_key``: checked on 2.13; used by torch's
+    own ``torch._meta_registrations`` and ``torch._library`` in 2.13. If it went, the RMSNorm
+    fusion could not tell where the fused op is worth it."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(op_name, key)
+
+
+def decomp_fused_rms_norm(x: torch.Tensor, normalized_shape: list[int], weight: torch.Tensor | None,
+                          eps: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``aten._fused_rms_norm`` written with aten ops.
+
+    ``torch._decomp.decompositions._fused_rms_norm``: checked on 2.13 (torch registers it
+    as the op's decomposition). If it went, Inductor would call the fused RMSNorm as an
+    extern kernel instead of fusing it with its neighbours."""
+    from torch._decomp.decompositions import _fused_rms_norm
+
+    return _fused_rms_norm(x, normalized_shape, weight, eps)
+
+
+def decomp_fused_rms_norm_backward() -> Callable[..., Any]:
+    """``aten._fused_rms_norm_backward`` written with aten ops (the function itself).
+
+    ``torch._decomp.decompositions._fused_rms_norm_backward``: checked on 2.13 (torch
+    registers it as the op's decomposition). If it went, as :func:`decomp_fused_rms_norm`,
+    for the backward."""
+    from torch._decomp.decompositions import _fused_rms_norm_backward
+
+    return _fused_rms_norm_backward
+
+
+# --------------------------------------------------------------------------- dynamo
+
+
+def mark_dynamic(t: torch.Tensor, dim: int) -> None:
+    """Tell dynamo that dim ``dim`` of ``t`` is dynamic.
+
+    ``torch._dynamo.mark_dynamic``: checked on 2.13; documented in torch's dynamic-shapes
+    guide (2.11 to 2.14), but under ``torch._dynamo``. If it moved, ``set_dim_gears`` could
+    not make a geared dim symbolic: dynamo would compile one graph per size."""
+    import torch._dynamo
+
+    torch._dynamo.mark_dynamic(t, dim)
+
+
+def backend_compiler_failed(backend: Any, exc: BaseException, frame: Any) -> Exception:
+    """Dynamo's ``BackendCompilerFailed`` for ``exc`` raised by ``backend``, to raise.
+
+    ``torch._dynamo.exc.BackendCompilerFailed(backend_fn, inner_exception, frame)``:
+    checked on 2.13 (dynamo's own ``OutputGraph`` builds it the same way in 2.13). If its
+    signature changed, a graphgear error raised under ``torch.compile`` would lose its
+    ``__cause__`` (dynamo would wrap it itself)."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    return BackendCompilerFailed(backend, exc, frame)
+
+
+def dynamo_graph_arg(node: torch.fx.Node) -> Any:
+    """Dynamo's ``GraphArg`` of a placeholder (its ``.source`` names the user's input),
+    None for a graph dynamo did not make.
+
+    ``node.meta["grapharg"]``: checked on 2.13; set by dynamo's ``output_graph`` and
+    ``variables.builder`` in 2.13. If it went, inputs would be named by position and graphgear could not tell a
+    dynamo graph from a direct call."""
+    return node.meta.get("grapharg")
+
+
+def has_dynamo_graph_arg(node: torch.fx.Node) -> bool:
+    """Whether dynamo gave this placeholder a ``GraphArg`` (see :func:`dynamo_graph_arg`)."""
+    return "grapharg" in node.meta
+
+
+# --------------------------------------------------------------------------- AOTAutograd
+
+
+def aot_module_simplified(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
+    """``torch._functorch.aot_autograd.aot_module_simplified``, leaving out the keyword
+    arguments this torch's version does not take (logged at debug level).
+
+    Checked on 2.13; it is what ``torch._dynamo.backends.common.aot_autograd`` calls in
+    2.13 (2.11 to 2.14). If it moved, no graphgear backend could compile."""
+    from torch._functorch.aot_autograd import aot_module_simplified as aot
+
+    params = inspect.signature(aot).parameters
+    dropped = [k for k in kwargs if k not in params]
+    for k in dropped:
+        log.debug("graphgear: this torch's aot_module_simplified has no %r; leaving it out", k)
+        kwargs.pop(k)
+    return aot(gm, example_inputs, **kwargs)
+
+
+def aot_partition_fn(min_cut: bool) -> Callable[..., Any]:
+    """AOTAutograd's joint-graph partitioner: ``min_cut_rematerialization_partition`` (as
+    Inductor uses) or ``default_partition``.
+
+    ``torch._functorch.partitioners``: checked on 2.13; dynamo's ``aot_autograd`` backend
+    helper and Inductor's ``compile_fx`` use ``min_cut_rematerialization_partition`` in
+    2.13 (2.11 to 2.14). If they moved, training graphs could not be split into
+    forward and backward."""
+    from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
+
+    return min_cut_rematerialization_partition if min_cut else default_partition
+
+
+def make_boxed_func(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` taking one list of arguments (AOTAutograd's boxed calling convention).
+
+    ``torch._functorch.aot_autograd.make_boxed_func``: checked on 2.13; AOTAutograd's own
+    runtime wrappers use it in 2.13 (2.11 to 2.14). If it moved, graphgear could not
+    hand an unboxed callable to AOTAutograd."""
+    from torch._functorch.aot_autograd import make_boxed_func as boxed
+
+    return boxed(fn)
+
+
+# --------------------------------------------------------------------------- Inductor
+# Every function here imports torch._inductor lazily: it is heavy, and run_eagerly never
+# needs it.
+
+
+def inductor_decomp_table() -> dict[Any, Any]:
+    """Inductor's decomposition table (it leaves out the entries that break attention
+    gradients on the CPU); Inductor's own object, not a copy.
+
+    ``torch._inductor.decomposition.select_decomp_table``: checked on 2.13; Inductor's
+    ``compile_fx`` uses it (2.11 to 2.14). If it moved, max-autotune, the pattern tracer
+    and the static graphs the CPU graph compiles would lose their decompositions."""
+    from torch._decomp import core_aten_decompositions  # noqa: F401  (registers tables)
+    from torch._inductor.decomposition import select_decomp_table
+
+    return select_decomp_table()
+
+
+def inductor_compile_fx_inner(gm: torch.fx.GraphModule, example_inputs: list[Any], **kwargs: Any) -> Any:
+    """Inductor's graph compiler on one aten graph; returns its boxed compiled graph.
+
+    ``torch._inductor.compile_fx.compile_fx_inner`` (keywords ``static_input_idxs``,
+    ``is_inference``, ``is_backward``): checked on 2.13; ``compile_fx`` calls it so in
+    2.13. If it moved or its keywords changed, max-autotune and the CPU/CUDA graphs'
+    native code would not compile."""
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    return compile_fx_inner(gm, example_inputs, **kwargs)
+
+
+def inductor_config_patch(**changes: Any) -> Any:
+    """A context manager setting Inductor options (``torch._inductor.config.patch``).
+
+    Checked on 2.13 for the options graphgear sets (``post_grad_fusion_options``,
+    ``freezing``, ``cpp_wrapper``, ``size_asserts``, ``alignment_asserts``). If one went,
+    ``patch`` raises and the static compile of the CPU/CUDA graphs fails."""
+    from torch._inductor import config as inductor_config
+
+    return inductor_config.patch(**changes)
+
+
+def count_tangents(gm: torch.fx.GraphModule) -> int:
+    """How many of a backward graph's inputs come before its tangents (the saved
+    activations, which Inductor treats as static).
+
+    ``torch._inductor.utils.count_tangents``: checked on 2.13; Inductor's backward
+    compiler uses it (2.11 to 2.14). If it moved, max-autotune's backward compile would
+    fail."""
+    from torch._inductor.utils import count_tangents as count
+
+    return count(gm)
+
+
+def inductor_lowering() -> Any:
+    """The module ``torch._inductor.lowering`` (``lowerings``, ``fallbacks``,
+    ``register_lowering``).
+
+    Checked on 2.13 (2.11 to 2.14 have all three names). If it changed, the rotary op
+    would run as an extern kernel under Inductor and the op summary would not say which
+    ops Inductor lowers; callers catch the failure."""
+    from torch._inductor import lowering
+
+    return lowering
+
+
+def inductor_remove_noop_ops(graph: torch.fx.Graph) -> None:
+    """Inductor's post-grad removal of no-op views and copies, in place.
+
+    ``torch._inductor.fx_passes.post_grad.remove_noop_ops``: checked on 2.13; Inductor's
+    pattern matcher runs it on the graphs it traces in 2.13. If it moved, the joint-graph fusion patterns
+    would stop matching graphs that carry such no-ops."""
+    from torch._inductor.fx_passes.post_grad import remove_noop_ops
+
+    remove_noop_ops(graph)
+
+
+def inductor_virtual_fake_mode(fake_mode: Any) -> contextlib.AbstractContextManager[Any]:
+    """Inductor's virtualized fake mode set to ``fake_mode`` (its pattern matcher traces
+    replacements in it), a null context for None.
+
+    ``torch._inductor.virtualized.V.set_fake_mode``: checked on 2.13; Inductor's
+    ``compile_fx`` uses it (2.11 to 2.14). If it moved, replacement nodes would carry no
+    fake values."""
+    if fake_mode is None:
+        return contextlib.nullcontext()
+    from torch._inductor.virtualized import V
+
+    return V.set_fake_mode(fake_mode)
+
+
+def pattern_matcher_pass(name: str) -> Any:
+    """A new Inductor ``PatternMatcherPass`` (``.apply(graph)`` returns the match count).
+
+    ``torch._inductor.pattern_matcher.PatternMatcherPass(pass_name=)``: checked on 2.13;
+    Inductor's own ``split_cat`` passes build theirs so in 2.13. If it changed, graphgear's
+    pattern fusions (and users' ``register_replacement`` patterns) would not run."""
+    from torch._inductor.pattern_matcher import PatternMatcherPass
+
+    return PatternMatcherPass(pass_name=name)
+
+
+def register_pattern(search_fn: Callable[..., Any], replace_fn: Callable[..., Any],
+                     example_inputs: Sequence[Any], matcher: Any, *, training: bool,
+                     get_decomp_fn: Callable[[], Any], **kwargs: Any) -> None:
+    """Trace ``search_fn`` / ``replace_fn`` (forward and backward together when
+    ``training``, with ``joint_fwd_bwd``, else the forward alone with ``fwd_only``) and
+    add the pair to ``matcher``, skipping a duplicate. ``kwargs``: ``extra_check``,
+    ``scalar_workaround``.
+
+    ``torch._inductor.pattern_matcher.register_replacement``, ``fwd_only``,
+    ``joint_fwd_bwd``: checked on 2.13; Inductor registers its own fusions with them
+    (2.11 to 2.14). If they changed, as :func:`pattern_matcher_pass`; the caller skips a
+    pattern that fails to trace."""
+    from torch._inductor.pattern_matcher import fwd_only, joint_fwd_bwd, register_replacement
+
+    register_replacement(
+        search_fn,
+        replace_fn,
+        example_inputs,
+        joint_fwd_bwd if training else fwd_only,
+        matcher,
+        get_decomp_fn=get_decomp_fn,
+        skip_duplicates=True,
+        **kwargs,
+    )
+
+
+#: Inductor's name for the allocator in its generated Python wrapper (a global of the
+#: generated module): checked on 2.13 (the CPU wrapper's ``empty_strided_cpu``). If it
+#: is renamed the CPU graph says so in a warning and runs without its allocation record.
+INDUCTOR_ALLOC_NAMES = ("empty_strided_cpu",)
+
+
+def inductor_callable(compiled: Any) -> Callable[[list[Any]], Any]:
+    """The boxed callable of Inductor's compiled graph: its generated ``call`` where it
+    has one (``CompiledFxGraph.current_callable``, checked on 2.13), else ``compiled``."""
+    return getattr(compiled, "current_callable", None) or compiled
+
+
+def inductor_wrapper_globals(compiled: Any) -> dict[str, Any] | None:
+    """The globals of Inductor's generated ``call`` function (where its allocator is),
+    None where none of :data:`INDUCTOR_ALLOC_NAMES` is found.
+
+    Follows ``CompiledFxGraph.current_callable`` and up to five ``__wrapped__`` /
+    ``func`` links: checked on 2.13. If Inductor changes its wrapper the CPU graph warns
+    and runs the native code without a record."""
+    fn = getattr(compiled, "current_callable", None)
+    seen = 0
+    while fn is not None and seen < 5:
+        g = getattr(fn, "__globals__", None)
+        if g is not None and any(n in g for n in INDUCTOR_ALLOC_NAMES):
+            return g
+        fn = getattr(fn, "__wrapped__", None) or getattr(fn, "func", None)
+        seen += 1
+    return None
+
+
+# --------------------------------------------------------------------------- settings
+
+
+def has_triton() -> bool:
+    """Whether Triton is importable and usable by Inductor.
+
+    ``torch.utils._triton.has_triton``: checked on 2.13 (False on the CPU build); Inductor's
+    scheduler checks it in 2.13. If it moved the call raises; the
+    caller then takes Triton as missing and the CUDA graph captures the FX graph."""
+    from torch.utils._triton import has_triton as triton
+
+    return bool(triton())
+
+
+def get_backed_size_oblivious() -> bool | None:
+    """``torch.fx.experimental._config.backed_size_oblivious``, None where this torch has
+    no such setting.
+
+    Checked on 2.13; ``torch.fx.experimental.symbolic_shapes`` reads it in 2.13. If it went, a gear of
+    size 1 would be 0/1-specialised by dynamo (a second graph) instead of sharing the
+    dynamic one; graphgear then leaves the setting alone."""
+    from torch.fx.experimental import _config
+
+    return getattr(_config, "backed_size_oblivious", None)
+
+
+def set_backed_size_oblivious(value: bool) -> None:
+    """Set ``torch.fx.experimental._config.backed_size_oblivious`` (process-wide; see
+    :func:`get_backed_size_oblivious`)."""
+    from torch.fx.experimental import _config
+
+    _config.backed_size_oblivious = value

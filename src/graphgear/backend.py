@@ -27,6 +27,16 @@ import torch
 from torch import fx
 
 from . import debug
+from ._torch import (
+    OpOverload,
+    aot_module_simplified,
+    aot_partition_fn,
+    backend_compiler_failed,
+    fake_mode_of,
+    has_dynamo_graph_arg,
+    tracing,
+    unset_fake_temporarily,
+)
 from .capture import MemoryPool
 from .compilers.inductor import inductor_decompositions
 from .config import CompilerConfig, apply_options, mode_of
@@ -113,11 +123,9 @@ def aligned_input_names(gm: fx.GraphModule, names: Sequence[str], num_inputs: in
 
 
 def _get_partition_fn(config: CompilerConfig, pre_grad_done: bool = False) -> Callable[..., Any]:
-    from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
-
     # max-autotune partitions as Inductor does: Inductor's backward compile of a
     # default_partition graph gave wrong gradients on the toy decoder (KV-cache writes)
-    base = min_cut_rematerialization_partition if mode_of(config) == "max-autotune" else default_partition
+    base = aot_partition_fn(min_cut=mode_of(config) == "max-autotune")
     if not config.experimental_config.fx_passes or pre_grad_done:
         return base  # pre_grad_done: the fusions ran before differentiation
 
@@ -147,11 +155,9 @@ def decompose_aten_graph(
     when they are fake, keeping their symbolic sizes), so no real work runs."""
     if not table:
         return gm
-    from torch._guards import detect_fake_mode, tracing
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    fake_mode = detect_fake_mode(list(example_inputs))
+    fake_mode = fake_mode_of(example_inputs)
     with unset_fake_temporarily(), tracing(None):
         if fake_mode is not None:
             with fake_mode:
@@ -159,17 +165,6 @@ def decompose_aten_graph(
                                record_module_stack=False)(*example_inputs)
         return make_fx(gm, decomposition_table=dict(table), tracing_mode="fake",
                        _allow_non_fake_inputs=True, record_module_stack=False)(*example_inputs)
-
-
-def _aot_module_simplified(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
-    from torch._functorch.aot_autograd import aot_module_simplified
-
-    params = inspect.signature(aot_module_simplified).parameters
-    dropped = [k for k in kwargs if k not in params]
-    for k in dropped:
-        log.debug("graphgear: this torch's aot_module_simplified has no %r; leaving it out", k)
-        kwargs.pop(k)
-    return aot_module_simplified(gm, example_inputs, **kwargs)
 
 
 class GraphgearBackend:
@@ -242,9 +237,7 @@ class GraphgearBackend:
                 raise  # called directly, not by dynamo
             # Dynamo re-raises its own BackendCompilerFailed as it is; building it here
             # keeps graphgear's error as __cause__ (dynamo's wrapper would drop it).
-            from torch._dynamo.exc import BackendCompilerFailed
-
-            raise BackendCompilerFailed(self, e, inspect.currentframe()) from e
+            raise backend_compiler_failed(self, e, inspect.currentframe()) from e
 
     def _compile(
         self,
@@ -278,7 +271,7 @@ class GraphgearBackend:
         # ops bring their own backward (the joint graph rarely shows the patterns whole)
         fused = pre_grad_fusions(gm, example_inputs, config)
         gm = fused if fused is not None else gm
-        return _aot_module_simplified(
+        return aot_module_simplified(
             gm,
             example_inputs,
             fw_compiler=fw_compiler,
@@ -291,7 +284,7 @@ class GraphgearBackend:
 
 
 def _from_dynamo(gm: fx.GraphModule) -> bool:
-    return any("grapharg" in n.meta for n in gm.graph.find_nodes(op="placeholder"))
+    return any(has_dynamo_graph_arg(n) for n in gm.graph.find_nodes(op="placeholder"))
 
 
 def get_backend(
@@ -311,7 +304,7 @@ def _is_aten_graph(gm: fx.GraphModule) -> bool:
     for n in gm.graph.nodes:
         if n.op == "call_module":
             return False
-        if n.op == "call_function" and not isinstance(n.target, torch._ops.OpOverload):
+        if n.op == "call_function" and not isinstance(n.target, OpOverload):
             import operator
 
             if n.target not in (operator.getitem,):

@@ -35,8 +35,9 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-import torch
 from torch import fx
+
+from ._torch import OpOverload, OpOverloadPacket
 
 if TYPE_CHECKING:
     from .config import CompilerConfig
@@ -72,7 +73,7 @@ def tabular(graph: fx.Graph) -> str:
 def _target_name(target: object) -> str:
     if isinstance(target, str):
         return target
-    if isinstance(target, torch._ops.OpOverload | torch._ops.OpOverloadPacket):
+    if isinstance(target, OpOverload | OpOverloadPacket):
         return str(target)
     return getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or str(target)
 
@@ -155,9 +156,9 @@ def _readlink(path: str) -> str:
 # device graph cannot hold them.
 def op_key(target: object) -> str:
     """``aten.add`` for ``aten.add.Tensor``; the qualified name for other callables."""
-    if isinstance(target, torch._ops.OpOverload):
+    if isinstance(target, OpOverload):
         return f"{target.namespace}.{target._opname}"
-    if isinstance(target, torch._ops.OpOverloadPacket):
+    if isinstance(target, OpOverloadPacket):
         return f"{target._qualified_op_name.replace('::', '.')}"
     return _target_name(target)
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ._torch import FakeTensor, get_backed_size_oblivious, mark_dynamic, set_backed_size_oblivious
 from .errors import GearError
 from .shapes import ShapeInfo
 from .stats import on_reset
@@ -78,10 +79,10 @@ def set_dim_gears(t: torch.Tensor, dim_gears: dict[int, list[int] | tuple[int, .
             )
     old.update(clean)
     setattr(t, _ATTR, old)
-    if not isinstance(t, torch._subclasses.FakeTensor):
+    if not isinstance(t, FakeTensor):
         for dim, sizes in clean.items():
             _set_oblivious_if_needed(sizes)
-            torch._dynamo.mark_dynamic(t, dim)
+            mark_dynamic(t, dim)
 
 
 def guard_gears_shape(example_inputs: Any, names: Sequence[str] = ()) -> None:
@@ -106,7 +107,7 @@ def guard_gears_shape(example_inputs: Any, names: Sequence[str] = ()) -> None:
 def restore_global_settings() -> None:
     """Undo the process-wide setting a gear of 1 turned on (called by ``reset()``)."""
     if _oblivious_before:
-        torch.fx.experimental._config.backed_size_oblivious = _oblivious_before[0]
+        set_backed_size_oblivious(_oblivious_before[0])
         _oblivious_before.clear()
 
 
@@ -122,8 +123,8 @@ def _set_oblivious_if_needed(sizes: list[int]) -> None:
     backed sizes, process-wide, until ``graphgear.reset()`` restores the previous
     setting."""
     if sizes:
-        cfg = torch.fx.experimental._config
-        if hasattr(cfg, "backed_size_oblivious") and not cfg.backed_size_oblivious:
+        current = get_backed_size_oblivious()  # None: this torch has no such setting
+        if current is not None and not current:
             _oblivious_before.append(False)
             on_reset(restore_global_settings)
             log.info(
@@ -131,7 +132,7 @@ def _set_oblivious_if_needed(sizes: list[int]) -> None:
                 "torch.fx.experimental._config.backed_size_oblivious so size 1 shares the "
                 "dynamic graph instead of being specialised"
             )
-            cfg.backed_size_oblivious = True
+            set_backed_size_oblivious(True)
 
 
 class GearPlan:

@@ -10,9 +10,9 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 from torch import fx
 
+from ._torch import OpOverload, TracingContext, dynamo_graph_arg
 from .gears import get_dim_gears
 
 __all__ = [
@@ -43,7 +43,7 @@ def dynamo_input_names(gm: fx.GraphModule, n: int) -> list[str]:
     """The user's names of the graph inputs (``x``, ``self.k_cache``), else positions."""
     names: list[str] = []
     for node in gm.graph.find_nodes(op="placeholder"):
-        arg = node.meta.get("grapharg")
+        arg = dynamo_graph_arg(node)
         src = getattr(arg, "source", None)
         name = src.name if src is not None and hasattr(src, "name") else None
         if callable(name):
@@ -64,7 +64,7 @@ def _pretty_source(name: str) -> str:
 
 def static_input_indices(num_inputs: int) -> list[int]:
     """Indices AOTAutograd marked static (parameters, buffers, ``mark_static_address``)."""
-    ctx = torch._guards.TracingContext.try_get()
+    ctx = TracingContext.try_get()
     meta = getattr(ctx, "fw_metadata", None) if ctx is not None else None
     idx = getattr(meta, "static_input_indices", None)
     if idx is None:
@@ -89,7 +89,7 @@ def written_arguments(node: fx.Node) -> list[fx.Node]:
     """The nodes an op call writes in place: every argument its schema marks mutable
     (``Tensor(a!)``, also inside lists), whether passed positionally or as a keyword
     (``copy_(self=dst, src=x)``, a keyword-only ``out=``)."""
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+    if node.op != "call_function" or not isinstance(node.target, OpOverload):
         return []
     out: list[fx.Node] = []
     for i, a in enumerate(node.target._schema.arguments):
@@ -109,7 +109,7 @@ def written_arguments(node: fx.Node) -> list[fx.Node]:
 def _view_base(node: fx.Node) -> fx.Node:
     while (
         node.op == "call_function"
-        and isinstance(node.target, torch._ops.OpOverload)
+        and isinstance(node.target, OpOverload)
         and node.target.is_view
         and node.args
         and isinstance(node.args[0], fx.Node)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from torch import fx
 
 from . import debug
+from ._torch import make_boxed_func
 from .compilers import MODE_COMPILERS, op_support
 from .config import mode_of
 from .context import CompileContext
@@ -145,8 +146,6 @@ def _convention(fn: Callable[..., Any], boxed: bool) -> Callable[..., Any]:
     if boxed == is_boxed:
         return fn
     if boxed:
-        from torch._functorch.aot_autograd import make_boxed_func
-
         return make_boxed_func(fn)
 
     def unboxed(*args: Any) -> Any:

@@ -18,6 +18,8 @@ import sympy
 import torch
 from torch import fx
 
+from ._torch import FakeTensor, FakeTensorMode, tracing, unset_fake_temporarily
+
 __all__ = ["ShapeInfo", "specialize"]
 
 
@@ -95,7 +97,6 @@ class ShapeInfo:
 
     def concrete(self, key: Sequence[int]) -> list[Any]:
         """Example arguments (fake tensors in a new fake mode, or ints) at ``key``."""
-        from torch._subclasses.fake_tensor import FakeTensorMode
         from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
         ev = self.size_at(key)
@@ -134,14 +135,12 @@ def _free_symbols(v: Any) -> set[Any]:
 def specialize(gm: fx.GraphModule, info: ShapeInfo, key: Sequence[int]) -> tuple[fx.GraphModule, list[Any]]:
     """``gm`` re-traced with every symbol fixed to ``key``: a static-shape aten graph and
     fake example inputs for it."""
-    from torch._guards import tracing
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.fx.experimental.proxy_tensor import make_fx
 
     with unset_fake_temporarily(), tracing(None):
         args = info.concrete(key)
-        mode = next((a.fake_mode for a in args if isinstance(a, torch._subclasses.FakeTensor)), None)
-        ctx = mode if mode is not None else torch._subclasses.FakeTensorMode()
+        mode = next((a.fake_mode for a in args if isinstance(a, FakeTensor)), None)
+        ctx = mode if mode is not None else FakeTensorMode()
         with ctx:
             static = make_fx(_Runner(gm), tracing_mode="real", record_module_stack=False)(*args)
     return static, args

@@ -146,7 +146,7 @@ def reset() -> None:
         obj = ref() if isinstance(ref, weakref.ref) else ref
         if obj is not None:
             obj.release()
-    torch._dynamo.reset()
+    torch.compiler.reset()  # public; clears dynamo's caches
     with _lock:
         hooks = list(_on_reset)
         _on_reset.clear()

@@ -45,15 +45,12 @@ from typing import Any
 import torch
 from torch import fx
 
+from .._torch import INDUCTOR_ALLOC_NAMES, inductor_callable, inductor_wrapper_globals
 from .pool import MemoryPool
 
 log = logging.getLogger(__name__)
 
 __all__ = ["CPUExecutor", "CPUGraph", "StaticCompiler", "nbytes_of"]
-
-# Inductor's name for the allocator in its generated Python wrapper.
-_ALLOC_NAMES = ("empty_strided_cpu",)
-
 
 def nbytes_of(size: Sequence[int], stride: Sequence[int], dtype: torch.dtype) -> int:
     if any(s == 0 for s in size):
@@ -65,19 +62,6 @@ def nbytes_of(size: Sequence[int], stride: Sequence[int], dtype: torch.dtype) ->
 #: ``compile_static(gm, args, *, stage, static_idx)``: the native code of a static graph
 #: (boxed callable), given by the reduce-overhead compiler (Inductor, ``compilers.inductor``)
 StaticCompiler = Callable[..., Callable[[list[Any]], Any]]
-
-
-def _wrapper_globals(compiled: Any) -> dict[str, Any] | None:
-    """The globals of Inductor's generated ``call`` function (where its allocator is)."""
-    fn = getattr(compiled, "current_callable", None)
-    seen = 0
-    while fn is not None and seen < 5:
-        g = getattr(fn, "__globals__", None)
-        if g is not None and any(n in g for n in _ALLOC_NAMES):
-            return g
-        fn = getattr(fn, "__wrapped__", None) or getattr(fn, "func", None)
-        seen += 1
-    return None
 
 
 _SWITCH_LOCK = threading.Lock()
@@ -119,7 +103,7 @@ class CPUExecutor:
             if compile_static is None:
                 raise RuntimeError("no native compiler was given")
             compiled = compile_static(gm, args, stage=stage, static_idx=static_idx)
-            g = _wrapper_globals(compiled)
+            g = inductor_wrapper_globals(compiled)
         except Exception as e:  # Inductor could not compile it: record the FX graph
             log.warning(
                 "graphgear: %s: Inductor could not compile this graph for the CPU graph "
@@ -129,15 +113,15 @@ class CPUExecutor:
             compiled, g = None, None
         if compiled is not None:
             self.native = True
-            self.run: Callable[[list[Any]], Any] = getattr(compiled, "current_callable", None) or compiled
+            self.run: Callable[[list[Any]], Any] = inductor_callable(compiled)
             if g is not None:
-                self.slot = _allocator_switch(g, next(n for n in _ALLOC_NAMES if n in g))
+                self.slot = _allocator_switch(g, next(n for n in INDUCTOR_ALLOC_NAMES if n in g))
             else:  # Inductor changed its wrapper: say so, and keep the memory rules
                 log.warning(
                     "graphgear: %s: Inductor's generated code has no allocator named %s to "
                     "record (has Inductor changed its Python wrapper?); the CPU graph runs "
                     "the native code without a record, allocating per replay, and copies "
-                    "its outputs to static buffers.", name, " or ".join(_ALLOC_NAMES))
+                    "its outputs to static buffers.", name, " or ".join(INDUCTOR_ALLOC_NAMES))
         else:
             self.run = lambda a: gm(*a)
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from .._torch import has_triton
 from .cpu_graph import StaticCompiler
 from .pool import MemoryPool
 
@@ -33,9 +34,7 @@ __all__ = ["CUDAGraph", "cuda_executor"]
 
 def _has_triton() -> bool:
     try:
-        from torch.utils._triton import has_triton
-
-        return bool(has_triton())
+        return has_triton()
     except Exception:
         return False
 

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from .._torch import StorageWeakRef, non_owning_storage, storage_poisoner_builtin
+from .._torch import StorageWeakRef, non_owning_storage, storage_id, storage_poisoner_builtin
 from ..cachedir import default_cache_root, unsafe_reason
 
 log = logging.getLogger(__name__)
@@ -220,7 +220,7 @@ def poison_all(handed: list[Handout], msg: str, poison: Callable[[int, str], Non
         st = h.ref()  # a strong reference while poisoning (another thread may drop it)
         if st is None:
             continue
-        poison(st._cdata, msg)
+        poison(storage_id(st), msg)
         live.append(h)
     if live or len(KEEPER):
         KEEPER.hold(live)

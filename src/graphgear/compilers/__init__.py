@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
 from torch import fx
 
+from .._torch import OpOverload, inductor_lowering
 from ..capture.rules import UNCAPTURABLE
 from ..context import CompileContext
 from ..debug import op_key
@@ -39,9 +39,8 @@ def op_support(target: object, mode: str) -> tuple[bool, str]:
     key = op_key(target)
     if mode == "reduce-overhead" and key in UNCAPTURABLE:
         return False, UNCAPTURABLE[key]
-    if mode == "max-autotune" and isinstance(target, torch._ops.OpOverload):
-        from torch._inductor import lowering
-
+    if mode == "max-autotune" and isinstance(target, OpOverload):
+        lowering = inductor_lowering()
         if target in lowering.lowerings or target.overloadpacket in lowering.lowerings:
             return True, "lowered by Inductor"
         if target in lowering.fallbacks or target.overloadpacket in getattr(lowering, "fallbacks", ()):

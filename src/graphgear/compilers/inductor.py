@@ -22,8 +22,19 @@ from typing import Any
 
 import torch
 from torch import fx
-from torch.utils import _pytree as pytree
 
+from .._torch import (
+    FakeTensor,
+    FakeTensorMode,
+    TracingContext,
+    count_tangents,
+    inductor_compile_fx_inner,
+    inductor_config_patch,
+    inductor_decomp_table,
+    pytree,
+    tracing,
+    unset_fake_temporarily,
+)
 from ..context import CompileContext
 from ..passes import PASSES_VERSION
 from ..passes.ops import inductor_fused_op_decompositions, inline_decompositions, register_inductor_lowering
@@ -43,9 +54,7 @@ __all__ = ["cache_context", "compile_inductor", "compile_static", "decompose_sta
 def inductor_decompositions() -> dict[Any, Any]:
     """Inductor's own decomposition table (it leaves out the entries that break
     attention gradients on the CPU)."""
-    from torch._inductor.decomposition import select_decomp_table
-
-    return dict(select_decomp_table())
+    return dict(inductor_decomp_table())
 
 
 def cache_context(example_inputs: Sequence[Any], *, replace: bool = False) -> contextlib.ExitStack:
@@ -60,11 +69,9 @@ def cache_context(example_inputs: Sequence[Any], *, replace: bool = False) -> co
     stack = contextlib.ExitStack()
     tag = f"{torch.compiler.config.cache_key_tag}graphgear-passes-v{PASSES_VERSION}"
     stack.enter_context(torch.compiler.config.patch(cache_key_tag=tag))
-    if replace or torch._guards.TracingContext.try_get() is None:
-        fake_mode = next(
-            (a.fake_mode for a in example_inputs if isinstance(a, torch._subclasses.FakeTensor)), None
-        )
-        stack.enter_context(torch._guards.tracing(torch._guards.TracingContext(fake_mode)))
+    if replace or TracingContext.try_get() is None:
+        fake_mode = next((a.fake_mode for a in example_inputs if isinstance(a, FakeTensor)), None)
+        stack.enter_context(tracing(TracingContext(fake_mode)))
     return stack
 
 
@@ -79,8 +86,6 @@ def compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: Com
     The gear dispatcher calls this once per gear with a static graph; a graph with
     symbolic sizes compiles once for all of them.
     """
-    from torch._inductor.compile_fx import compile_fx_inner
-
     register_inductor_lowering()
     spec = _return_tuple(gm)
     inlined = prepare_for_inductor(gm)
@@ -90,11 +95,9 @@ def compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: Com
     static = list(ctx.static_inputs)
     if ctx.stage == "backward":
         # as Inductor's bw_compiler: the saved activations before the tangents are fixed
-        from torch._inductor.utils import count_tangents
-
         static = list(range(count_tangents(gm)))
     with cache_context(example_inputs):
-        compiled = compile_fx_inner(
+        compiled = inductor_compile_fx_inner(
             gm,
             list(example_inputs),
             static_input_idxs=static,
@@ -129,22 +132,17 @@ def _return_tuple(gm: fx.GraphModule) -> Any:
 def decompose_static(gm: fx.GraphModule, args: Sequence[Any]) -> fx.GraphModule:
     """``gm`` re-traced with Inductor's decompositions at the sizes of ``args`` (fake
     tensors of one fake mode: inputs are not touched)."""
-    from torch._decomp import core_aten_decompositions  # noqa: F401  (registers tables)
-    from torch._guards import tracing
-    from torch._inductor.decomposition import select_decomp_table
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    fake_mode = next(a.fake_mode for a in args if isinstance(a, torch._subclasses.FakeTensor))
+    fake_mode = next(a.fake_mode for a in args if isinstance(a, FakeTensor))
     with unset_fake_temporarily(), tracing(None), fake_mode:
-        return make_fx(gm, decomposition_table=select_decomp_table(), tracing_mode="real",
+        return make_fx(gm, decomposition_table=inductor_decomp_table(), tracing_mode="real",
                        record_module_stack=False)(*args)
 
 
 def static_fakes(args: Sequence[Any]) -> list[Any]:
     """Fake copies of ``args`` (static shapes) in a fake mode with a shape env, which
     Inductor's FX graph cache needs to serve a compile."""
-    from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     mode = FakeTensorMode(shape_env=ShapeEnv())
@@ -158,20 +156,17 @@ def compile_static(
 ) -> Callable[[list[Any]], Any]:
     """Inductor-compile a static-shape graph for a device graph to capture (the CPU
     graph records its allocations; a CUDA graph captures its kernels); boxed callable."""
-    from torch._inductor import config as inductor_config
-    from torch._inductor.compile_fx import compile_fx_inner
-
     register_inductor_lowering()
     fakes = static_fakes(args)
     dgm = decompose_static(gm, fakes)
-    with cache_context(fakes, replace=True), inductor_config.patch(
+    with cache_context(fakes, replace=True), inductor_config_patch(
         post_grad_fusion_options={"decompose_mm_pass": {}}, freezing=False,
         # the CPU graph records allocations through the Python wrapper's allocator
         cpp_wrapper=False,
         # inputs are bound at capture: their sizes and strides cannot change
         size_asserts=False, alignment_asserts=False,
     ):
-        compiled = compile_fx_inner(
+        compiled = inductor_compile_fx_inner(
             dgm, fakes, static_input_idxs=list(static_idx),
             is_inference=stage == "inference", is_backward=stage == "backward",
         )

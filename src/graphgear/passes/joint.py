@@ -37,6 +37,13 @@ from typing import Any
 import torch
 from torch import fx
 
+from .._torch import (
+    FakeTensor,
+    FakeTensorMode,
+    fake_mode_of,
+    has_kernel_for_dispatch_key,
+    inductor_remove_noop_ops,
+)
 from ..config import mode_of
 from ..stats import record_joint_passes
 from . import ops
@@ -85,8 +92,7 @@ def fused_rms_norm_kernel(device: torch.device) -> bool:
     2.13) it has none: it is CompositeImplicit and traces back into the unfused ops, so
     the rewrite would buy nothing."""
     key = _DISPATCH_KEY.get(device.type)
-    return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(
-        "aten::_fused_rms_norm", key)
+    return key is not None and has_kernel_for_dispatch_key("aten::_fused_rms_norm", key)
 
 
 def _rms_check(match: Any) -> bool:
@@ -380,10 +386,8 @@ class NormalizeNoops(GraphPass):
         return bool(config.experimental_config.fx_passes)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], config: Any) -> int:
-        from torch._inductor.fx_passes.post_grad import remove_noop_ops
-
         before = len(gm.graph.nodes)
-        remove_noop_ops(gm.graph)
+        inductor_remove_noop_ops(gm.graph)
         return before - len(gm.graph.nodes)
 
 
@@ -444,17 +448,14 @@ def pre_grad_fusions(gm: fx.GraphModule, example_inputs: Sequence[Any], config: 
         return None
     if any(True for _ in gm.parameters()) or any(True for _ in gm.buffers()):
         return None  # make_fx would turn them into constants: no gradients, lost writes
-    from torch._guards import detect_fake_mode
     from torch.fx.experimental.proxy_tensor import make_fx
     from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols, is_concrete_int
 
-    fake_mode = detect_fake_mode(example_inputs)
+    fake_mode = fake_mode_of(example_inputs)
     try:
         if fake_mode is None:
-            from torch._subclasses import FakeTensorMode
-
             fake_mode = FakeTensorMode()
-        fakes = [fake_mode.from_tensor(t) if not isinstance(t, torch._subclasses.FakeTensor) else t
+        fakes = [fake_mode.from_tensor(t) if not isinstance(t, FakeTensor) else t
                  for t in example_inputs]
         if any(not all(is_concrete_int(s) for s in (*t.shape, *t.stride())) or free_unbacked_symbols(t)
                for t in fakes):

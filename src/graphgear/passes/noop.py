@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from .._torch import has_storage, storage_id
 from ..inputs import written_arguments
 from ..shapes import known_equal
 from .manager import GraphPass, node_val
@@ -41,9 +42,9 @@ def _storage(n: Any) -> int | None:
     """An id of the memory a node's value lives in (its fake tensor's storage, shared by
     every view of it); None when the node has no tensor value."""
     v = node_val(n)
-    if not isinstance(v, torch.Tensor) or not torch._C._has_storage(v):
+    if not isinstance(v, torch.Tensor) or not has_storage(v):
         return None
-    return v.untyped_storage()._cdata
+    return storage_id(v.untyped_storage())
 
 
 def _written_storages(graph: fx.Graph) -> set[int]:

@@ -25,7 +25,14 @@ from typing import Any
 
 import torch
 from torch import fx
-from torch.utils import _pytree as pytree
+
+from .._torch import (
+    decomp_fused_rms_norm,
+    decomp_fused_rms_norm_backward,
+    fake_mode_of,
+    inductor_lowering,
+    pytree,
+)
 
 log = logging.getLogger(__name__)
 
@@ -119,26 +126,20 @@ rotary_rotate_half.register_autograd(_rotary_backward, setup_context=_rotary_set
 def _fused_rms_norm_decomp(
     x: torch.Tensor, normalized_shape: list[int], weight: torch.Tensor | None, eps: float | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    from torch._decomp.decompositions import _fused_rms_norm
-
-    return _fused_rms_norm(x, normalized_shape, weight, eps)
+    return decomp_fused_rms_norm(x, normalized_shape, weight, eps)
 
 
 def inductor_fused_op_decompositions() -> dict[Any, Callable[..., Any]]:
     """The fused ops Inductor cannot fuse further, with the aten formula it can."""
-    from torch._decomp.decompositions import _fused_rms_norm_backward
-
     return {
         aten._fused_rms_norm.default: _fused_rms_norm_decomp,
-        aten._fused_rms_norm_backward.default: _fused_rms_norm_backward,
+        aten._fused_rms_norm_backward.default: decomp_fused_rms_norm_backward(),
     }
 
 
 def _fake_mode_of(gm: fx.GraphModule) -> Any:
-    from torch._guards import detect_fake_mode
-
     vals = [n.meta.get("val") for n in gm.graph.nodes if "val" in n.meta]
-    return detect_fake_mode(vals)
+    return fake_mode_of(vals)
 
 
 def inline_decompositions(gm: fx.GraphModule, table: dict[Any, Callable[..., Any]]) -> int:
@@ -206,7 +207,8 @@ def register_inductor_lowering() -> None:
     pointwise lowerings, so any Inductor compile (max-autotune, the CPU graph) fuses it
     into generated code instead of calling back into Python."""
     try:
-        from torch._inductor.lowering import lowerings, register_lowering
+        lowering = inductor_lowering()
+        lowerings, register_lowering = lowering.lowerings, lowering.register_lowering
     except Exception as e:  # pragma: no cover - Inductor missing or changed
         log.debug("graphgear: no Inductor lowering for rotary_rotate_half: %s", e)
         return

@@ -19,9 +19,17 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
 from torch import fx
 
+from .._torch import (
+    fake_mode_of,
+    inductor_decomp_table,
+    inductor_virtual_fake_mode,
+    pattern_matcher_pass,
+    register_pattern,
+    tracing,
+    unset_fake_temporarily,
+)
 from ..config import mode_of
 from .manager import GraphPass, sort_and_clean
 
@@ -43,9 +51,7 @@ def decomp_kind(config: Any) -> str:
 
 def _decomp_fn(kind: str) -> Callable[[], dict[Any, Any]]:
     if kind == "inductor":
-        from torch._inductor.decomposition import select_decomp_table
-
-        return select_decomp_table
+        return inductor_decomp_table
     return dict
 
 
@@ -98,16 +104,10 @@ class PatternSet:
             return self._traced[key]
 
     def apply(self, gm: fx.GraphModule, kind: str, groups: Sequence[str] | None = None) -> dict[str, int]:
-        import contextlib
-
-        from torch._guards import detect_fake_mode
-        from torch._inductor.virtualized import V
-
         counts: dict[str, int] = {}
         # replacements are traced in the graph's fake mode, so new nodes get fake values
-        fake_mode = detect_fake_mode([n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")])
-        ctx = V.set_fake_mode(fake_mode) if fake_mode is not None else contextlib.nullcontext()
-        with ctx:
+        fake_mode = fake_mode_of(n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder"))
+        with inductor_virtual_fake_mode(fake_mode):
             for group in groups if groups is not None else self.groups():
                 matcher = self._matcher(group, kind)
                 counts[group] = int(matcher.apply(gm.graph)) if matcher is not None else 0
@@ -119,22 +119,11 @@ class PatternSet:
 
 
 def _trace_group(group: str, replacements: list[Replacement], kind: str) -> Any:
-    from torch._inductor.pattern_matcher import (
-        PatternMatcherPass,
-        fwd_only,
-        joint_fwd_bwd,
-    )
-    from torch._inductor.pattern_matcher import (
-        register_replacement as inductor_register,
-    )
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
     if not replacements:
         return None
-    matcher = PatternMatcherPass(pass_name=f"graphgear_{group}")
+    matcher = pattern_matcher_pass(f"graphgear_{group}")
     get_decomp = _decomp_fn(kind)
     for r in replacements:
-        trace = joint_fwd_bwd if r.training else fwd_only
         kwargs: dict[str, Any] = {}
         if r.extra_check is not None:
             kwargs["extra_check"] = r.extra_check
@@ -142,15 +131,14 @@ def _trace_group(group: str, replacements: list[Replacement], kind: str) -> Any:
             kwargs["scalar_workaround"] = dict(r.scalar_workaround)
         try:
             # traced with real example tensors, outside any fake mode the compile runs in
-            with unset_fake_temporarily(), torch._guards.tracing(None):
-                inductor_register(
+            with unset_fake_temporarily(), tracing(None):
+                register_pattern(
                     r.search_fn,
                     r.replace_fn,
                     r.inputs(),
-                    trace,
                     matcher,
+                    training=r.training,
                     get_decomp_fn=get_decomp,
-                    skip_duplicates=True,
                     **kwargs,
                 )
         except Exception as e:  # a pattern that cannot be traced must not break compiles

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from .._torch import OpOverload
 from .manager import GraphPass
 
 aten = torch.ops.aten
@@ -29,7 +30,7 @@ __all__ = ["ReinplaceInputs", "inplace_variant"]
 
 def inplace_variant(target: Any) -> Any:
     """``aten.index_copy.default`` -> ``aten.index_copy_.default`` (None when none exists)."""
-    if not isinstance(target, torch._ops.OpOverload):
+    if not isinstance(target, OpOverload):
         return None
     packet = target.overloadpacket
     ns = getattr(torch.ops, target.namespace)

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from .._torch import OpOverload
 from .manager import GraphPass
 
 aten = torch.ops.aten
@@ -57,7 +58,7 @@ class ViewToReshape(GraphPass):
             origin = _origin(src)
             if origin.op == "call_function" and (
                 origin.target in fused
-                or (isinstance(origin.target, torch._ops.OpOverload) and origin.target.namespace == "graphgear")
+                or (isinstance(origin.target, OpOverload) and origin.target.namespace == "graphgear")
             ):
                 node.target = aten.reshape.default
                 changed += 1
