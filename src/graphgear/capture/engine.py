@@ -184,6 +184,7 @@ class _Entry:
     copy_idx: list[int] = dataclasses.field(default_factory=list)
     alias_out: list[bool] = dataclasses.field(default_factory=list)
     bound_refs: list[StorageWeakRef] = dataclasses.field(default_factory=list)
+    recapture: bool = False  # a key seen before with inputs used in place elsewhere
 
 
 class CaptureEngine:
@@ -242,6 +243,7 @@ class CaptureEngine:
             e = _Entry()
             if not self.rebindable and any(k[:3] == key[:3] for k in self.entries):
                 e.warm = self.cc.warmup_iters  # same code, inputs moved: no new warm-up
+                e.recapture = True
             self.entries[key] = e
         return e
 
@@ -283,11 +285,14 @@ class CaptureEngine:
             return self._capture(e, args)
         bound = g.args
         if self.rebindable:
+            moved = False
             for i in self.tracked_idx:
                 a = args[i]
                 if a is not bound[i] and a.data_ptr() != bound[i].data_ptr():
                     g.rebind(i, a)  # a new KV cache: same code, same record
-                    self.record.rebinds += 1
+                    moved = True
+            if moved:
+                self.record.rebinds += 1
         for i in e.copy_idx:
             bound[i].copy_(args[i])
         self.pool.invalidate(self._stale_msg())
@@ -422,6 +427,8 @@ class CaptureEngine:
         e.alias_out = [isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in user
                        for o in outs]
         self.record.captures += 1
+        if e.recapture:
+            self.record.recaptures += 1
         self.record.pool_bytes = max(self.record.pool_bytes, self.pool.nbytes)
         log.info("graphgear: captured %s (%s) on %s: %d bytes", self.record.name,
                  self.ctx.stage, self.device, graph.nbytes + nbytes)
