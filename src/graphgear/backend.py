@@ -41,7 +41,7 @@ from .capture import MemoryPool
 from .compilers.inductor import inductor_decompositions
 from .config import CompilerConfig, apply_options, mode_of
 from .errors import ConfigError, GraphgearError
-from .gears import guard_gears_shape, set_dim_gears
+from .gears import _set_oblivious_if_needed, guard_gears_shape, set_dim_gears
 from .inputs import GraphInputs
 from .passes.joint import joint_graph_passes, pre_grad_fusions
 from .pipeline import compile_graph
@@ -253,7 +253,11 @@ class GraphgearBackend:
                 "passes mode= and options= only."
             )
         config = self._config_for_call(mode, options)
-        inputs = GraphInputs.from_dynamo(gm, example_inputs)
+        input_gears = config.inference_config.input_gears
+        inputs = GraphInputs.from_dynamo(gm, example_inputs, input_gears)
+        if input_gears and inputs.dim_gears:
+            # as set_dim_gears does: a later recompile must not specialise size 1
+            _set_oblivious_if_needed([s for d in inputs.dim_gears.values() for g in d.values() for s in g])
         if config.debug.graph_dump.type is not None:
             debug.dump_graph(gm, config, "dynamo", "dynamo")
         compiler = functools.partial(

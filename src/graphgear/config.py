@@ -44,11 +44,15 @@ class Option:
         choices: tuple[Any, ...] | None = None,
         check: Callable[[Any], bool] | None = None,
         allowed: str | None = None,
+        explain: Callable[[Any], str | None] | None = None,
+        convert: Callable[[Any], Any] | None = None,
     ) -> None:
         self.default = default
         self.doc = doc
         self.choices = choices
         self.check = check
+        self.explain = explain  # what is wrong with a value (None: nothing), for errors
+        self.convert = convert  # the stored form of a valid value
         self.allowed = allowed or (", ".join(repr(c) for c in choices) if choices else "any value")
         self.name = ""
 
@@ -66,7 +70,11 @@ class Option:
             raise ConfigError(
                 f"graphgear: option {path!r} got {value!r}; allowed values: {self.allowed}."
             )
-        return value
+        if self.explain is not None and (problem := self.explain(value)) is not None:
+            raise ConfigError(
+                f"graphgear: option {path!r} got {value!r}: {problem}. Allowed values: {self.allowed}."
+            )
+        return self.convert(value) if self.convert is not None else value
 
 
 def _is_int(lo: int) -> Callable[[Any], bool]:
@@ -233,10 +241,48 @@ class ExperimentalConfig(_Section):
                                         check=_is_pass, allowed="None or a callable")
 
 
+_MAX_GEARS = 100  # as graphgear.gears.MAX_GEARS
+
+
+def _input_gears_problem(v: Any) -> str | None:
+    """What is wrong with an ``input_gears`` value, or None."""
+    if not isinstance(v, Mapping):
+        return f"expected a dict {{input name: {{dim: [sizes]}}}}, got a {type(v).__name__}"
+    for name, dims in v.items():
+        if not isinstance(name, str) or not name:
+            return f"input names must be non-empty strings, got {name!r}"
+        if not isinstance(dims, Mapping) or not dims:
+            return f"the gears of {name!r} must be a non-empty dict {{dim: [sizes]}}, got {dims!r}"
+        for dim, sizes in dims.items():
+            if not isinstance(dim, int) or isinstance(dim, bool):
+                return f"{name!r}: a dim must be an int, got {dim!r}"
+            if not isinstance(sizes, list | tuple) or not all(
+                isinstance(g, int) and not isinstance(g, bool) and g > 0 for g in sizes
+            ):
+                return f"{name!r} dim {dim}: gears must be a list of positive ints, got {sizes!r}"
+            n = len(set(sizes))
+            if not 2 <= n <= _MAX_GEARS:
+                return (f"{name!r} dim {dim}: needs 2 to {_MAX_GEARS} distinct sizes, got {n} "
+                        f"({sorted(set(sizes))}); for one size leave the dim out")
+    return None
+
+
+def _clean_input_gears(v: Mapping[str, Mapping[int, Any]]) -> dict[str, dict[int, list[int]]]:
+    """A copy the caller cannot change afterwards, sizes sorted and distinct."""
+    return {name: {dim: sorted(set(sizes)) for dim, sizes in dims.items()} for name, dims in v.items()}
+
+
 class InferenceConfig(_Section):
     dynamic_gears_merge_policy = Option("zip", "how gears of several dims combine",
                                         choices=("zip", "product"))
     gear_padding = Option(False, "pad a size up to the next gear, slice outputs back", choices=_BOOL)
+    input_gears = Option(
+        {}, "gears by input name, for inputs the caller does not build (transformers generate())",
+        explain=_input_gears_problem, convert=_clean_input_gears,
+        allowed="a dict {input name: {dim: [2 to 100 positive sizes]}}, e.g. "
+                "{'input_ids': {0: [1, 2, 4]}}; a name matches an input's full name, its last "
+                "component ('keys' for cache.layers[0].keys) or a glob ('*keys')",
+    )
 
 
 def _is_pool(v: Any) -> bool:

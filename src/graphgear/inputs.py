@@ -7,18 +7,24 @@ mode compilers read them for the AOT graphs they receive.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import fnmatch
+import re
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
 from torch import fx
 
 from ._torch import OpOverload, TracingContext, dynamo_graph_arg
+from .errors import GearError
 from .gears import get_dim_gears
 
 __all__ = [
     "GraphInputs",
     "dynamo_input_names",
+    "input_name_matches",
     "mutated_placeholders",
+    "named_input_gears",
     "static_input_indices",
     "written_arguments",
 ]
@@ -34,9 +40,60 @@ class GraphInputs:
     dim_gears: dict[int, dict[int, list[int]]]  # input index -> {dim: gears}
 
     @classmethod
-    def from_dynamo(cls, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> GraphInputs:
+    def from_dynamo(
+        cls,
+        gm: fx.GraphModule,
+        example_inputs: Sequence[Any],
+        input_gears: Mapping[str, Mapping[int, list[int]]] | None = None,
+    ) -> GraphInputs:
+        """Names and gears of dynamo's inputs: gears recorded on the tensors
+        (``set_dim_gears``), then those ``input_gears`` names (config option
+        ``inference_config.input_gears``) for dims the tensors have no gears for."""
+        names = dynamo_input_names(gm, len(example_inputs))
         gears = {i: g for i, x in enumerate(example_inputs) if (g := get_dim_gears(x))}
-        return cls(names=dynamo_input_names(gm, len(example_inputs)), dim_gears=gears)
+        for i, dims in named_input_gears(names, example_inputs, input_gears or {}).items():
+            mine = gears.setdefault(i, {})
+            for dim, sizes in dims.items():
+                mine.setdefault(dim, sizes)
+        return cls(names=names, dim_gears=gears)
+
+
+def input_name_matches(pattern: str, name: str) -> bool:
+    """Whether an ``input_gears`` key names the input ``name``: the full name
+    (``kwargs['input_ids']``), its last component (``input_ids``; ``keys`` for
+    ``kwargs['cache'].layers[0].keys``), or a glob on the full name (``*keys``)."""
+    if pattern == name or fnmatch.fnmatchcase(name, pattern):
+        return True
+    parts = [p for p in re.split(r"[.\[\]'\"]+", name) if p]
+    return bool(parts) and parts[-1] == pattern
+
+
+def named_input_gears(
+    names: Sequence[str], example_inputs: Sequence[Any], input_gears: Mapping[str, Mapping[int, list[int]]]
+) -> dict[int, dict[int, list[int]]]:
+    """``{input index: {dim: gears}}`` for the tensor inputs ``input_gears`` names.
+
+    A dim out of range for a named tensor raises :class:`graphgear.GearError`; names
+    that match no input of this graph are left alone (a model compiles into several
+    graphs, each with some of the inputs)."""
+    out: dict[int, dict[int, list[int]]] = {}
+    if not input_gears:
+        return out
+    for i, (name, x) in enumerate(zip(names, example_inputs)):
+        if not isinstance(x, torch.Tensor):
+            continue
+        for pattern, dims in input_gears.items():
+            if not input_name_matches(pattern, name):
+                continue
+            for dim, sizes in dims.items():
+                if not -x.dim() <= dim < x.dim():
+                    raise GearError(
+                        f"graphgear: inference_config.input_gears[{pattern!r}] names dim {dim} of "
+                        f"input {name!r}, which has {x.dim()} dims (allowed: {-x.dim()}..{x.dim() - 1}); "
+                        f"fix the dim, or the name so that it matches only the inputs you mean."
+                    )
+                out.setdefault(i, {})[dim % x.dim()] = list(sizes)
+    return out
 
 
 def dynamo_input_names(gm: fx.GraphModule, n: int) -> list[str]:

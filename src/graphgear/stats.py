@@ -41,7 +41,8 @@ class GraphRecord:
     pool_bytes: int = 0
     passes: dict[str, int] = dataclasses.field(default_factory=dict)
     uncaptured_runs: int = 0
-    rebinds: int = 0  # replays with an input used in place rebound (a new KV cache)
+    rebinds: int = 0  # CPU graph: replays that rebound a moved input used in place (a new KV cache)
+    recaptures: int = 0  # CUDA/NPU: captures (of the compiled code) for a moved input used in place
 
     def add_fallback(self, op: str, reason: str) -> None:
         if (op, reason) not in self.fallbacks:

@@ -134,6 +134,7 @@ class _Entry:
     copy_idx: list[int] = dataclasses.field(default_factory=list)
     alias_out: list[bool] = dataclasses.field(default_factory=list)
     bound_refs: list[StorageWeakRef] = dataclasses.field(default_factory=list)
+    recapture: bool = False  # a key seen before with inputs used in place elsewhere
 
 
 class CaptureEngine:
@@ -194,6 +195,7 @@ class CaptureEngine:
             e = _Entry()
             if not self.rebindable and any(k[:3] == key[:3] for k in self.entries):
                 e.warm = self.cc.warmup_iters  # same code, inputs moved: no new warm-up
+                e.recapture = True
             self.entries[key] = e
         return e
 
@@ -234,12 +236,20 @@ class CaptureEngine:
                 return self._warmup(args)
             return self._capture(e, args)
         bound = g.args
+        if e.bound_refs and any(r.expired() for r in e.bound_refs):
+            # a new tensor at the address a dead one was captured with: it is this
+            # capture's now (the graph writes that address), not a dead capture
+            e.bound_refs = [StorageWeakRef(args[i].untyped_storage()) for i in self.tracked_idx
+                            if isinstance(args[i], torch.Tensor)]
         if self.rebindable:
+            moved = False
             for i in self.tracked_idx:
                 a = args[i]
                 if a is not bound[i] and a.data_ptr() != bound[i].data_ptr():
                     g.rebind(i, a)  # a new KV cache: same code, same record
-                    self.record.rebinds += 1
+                    moved = True
+            if moved:
+                self.record.rebinds += 1
         for i in e.copy_idx:
             bound[i].copy_(args[i])
         self.pool.invalidate(self._stale)
@@ -375,6 +385,8 @@ class CaptureEngine:
         e.alias_out = [isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in user
                        for o in outs]
         self.record.captures += 1
+        if e.recapture:
+            self.record.recaptures += 1
         self.record.pool_bytes = max(self.record.pool_bytes, self.pool.nbytes)
         log.info("graphgear: captured %s (%s) on %s: %d bytes", self.record.name,
                  self.ctx.stage, self.device, graph.nbytes + nbytes)
