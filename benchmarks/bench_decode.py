@@ -51,7 +51,7 @@ SIZES = {
     "large": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=2, num_attention_heads=8,
                   num_key_value_heads=4, vocab_size=8192),
 }
-CONTENDERS = ("eager", "torch.compile", "gg max-autotune", "gg reduce-overhead", "gg reduce-overhead serving")
+CONTENDERS = ("eager", "torch.compile", "gg max-autotune", "gg reduce-overhead", "gg reduce-overhead frozen")
 MAX_LEN = 64
 
 
@@ -88,8 +88,8 @@ def compiled(name: str, model: torch.nn.Module) -> Callable[..., Any]:
         return torch.compile(model)
     cfg = graphgear.CompilerConfig()
     cfg.mode = "max-autotune" if name.endswith("max-autotune") else "reduce-overhead"
-    if name.endswith("serving"):
-        cfg.inference_config.serving = True
+    if name.endswith("frozen"):
+        cfg.experimental_config.frozen_parameter = True
     return torch.compile(model, backend=graphgear.get_backend(cfg))
 
 

@@ -16,6 +16,7 @@ into aten ops first, so Inductor fuses them with their neighbours into generated
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -28,6 +29,7 @@ from .._torch import (
     FakeTensorMode,
     TracingContext,
     count_tangents,
+    inductor_callable,
     inductor_compile_fx_inner,
     inductor_config_patch,
     inductor_decomp_table,
@@ -140,34 +142,88 @@ def decompose_static(gm: fx.GraphModule, args: Sequence[Any]) -> fx.GraphModule:
                        record_module_stack=False)(*args)
 
 
-def static_fakes(args: Sequence[Any]) -> list[Any]:
+def static_fakes(args: Sequence[Any], *, allow_constants: bool = False) -> list[Any]:
     """Fake copies of ``args`` (static shapes) in a fake mode with a shape env, which
-    Inductor's FX graph cache needs to serve a compile."""
+    Inductor's FX graph cache needs to serve a compile; ``allow_constants``: the graph
+    holds real tensors as constants (frozen parameters)."""
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    mode = FakeTensorMode(shape_env=ShapeEnv())
+    mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=allow_constants)
     with unset_fake_temporarily():
         return [mode.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a
                 for a in args]
 
 
 def compile_static(
-    gm: fx.GraphModule, args: Sequence[Any], *, stage: str, static_idx: Sequence[int]
+    gm: fx.GraphModule, args: Sequence[Any], *, stage: str, static_idx: Sequence[int],
+    frozen: bool = False,
 ) -> Callable[[list[Any]], Any]:
     """Inductor-compile a static-shape graph for a device graph to capture (the CPU
-    graph records its allocations; a CUDA graph captures its kernels); boxed callable."""
+    graph records its allocations; a CUDA graph captures its kernels); boxed callable.
+
+    ``frozen`` (``experimental_config.frozen_parameter`` on an inference graph on the
+    CPU): the static inputs (parameters) become constants of the graph, so Inductor's C++
+    GEMM template packs the weights once at compile time and serves every small-M matrix
+    product from them (a decode step at batch 2 to 8: ATen's small-M GEMM reads weights at
+    a fifth of the one-row rate). The compiled code then holds a packed copy: parameters
+    changed in place afterwards are not seen. That is what ``frozen_parameter`` promises."""
     register_inductor_lowering()
-    fakes = static_fakes(args)
+    frozen = frozen and bool(static_idx)
+    fakes = static_fakes(args, allow_constants=frozen)
     dgm = decompose_static(gm, fakes)
-    with cache_context(fakes, replace=True), inductor_config_patch(
+    patches: dict[str, Any] = dict(
         post_grad_fusion_options={"decompose_mm_pass": {}}, freezing=False,
         # the CPU graph records allocations through the Python wrapper's allocator
         cpp_wrapper=False,
         # inputs are bound at capture: their sizes and strides cannot change
         size_asserts=False, alignment_asserts=False,
-    ):
+    )
+    keep = list(range(len(args)))
+    static = list(static_idx)
+    if frozen:
+        keep = _freeze_inputs(dgm, args, static)
+        fakes = [fakes[i] for i in keep]
+        static = []
+        patches.update(max_autotune=True, max_autotune_gemm_backends="CPP,ATEN")
+    with cache_context(fakes, replace=True), inductor_config_patch(**patches):
         compiled = inductor_compile_fx_inner(
-            dgm, fakes, static_input_idxs=list(static_idx),
+            dgm, fakes, static_input_idxs=static,
             is_inference=stage == "inference", is_backward=stage == "backward",
         )
-    return compiled
+    if len(keep) == len(args):
+        return compiled
+    return _DropFrozenArgs(compiled, keep)
+
+
+def _freeze_inputs(gm: fx.GraphModule, args: Sequence[Any], frozen: Sequence[int]) -> list[int]:
+    """Turn the placeholders at ``frozen`` into constants holding ``args``' tensors;
+    returns the positions of the inputs that remain."""
+    phs = list(gm.graph.find_nodes(op="placeholder"))
+    with gm.graph.inserting_after(phs[-1]):
+        for i in sorted(frozen, reverse=True):
+            name = f"_graphgear_frozen_{i}"
+            gm.register_buffer(name, args[i].detach())
+            const = gm.graph.get_attr(name)
+            const.meta = dict(phs[i].meta)
+            phs[i].replace_all_uses_with(const)
+            gm.graph.erase_node(phs[i])
+    gm.recompile()
+    gone = set(frozen)
+    return [i for i in range(len(args)) if i not in gone]
+
+
+class _DropFrozenArgs:
+    """Inductor's compiled graph, called with every input; passes on the ones that are
+    not constants of the graph."""
+
+    def __init__(self, compiled: Any, keep: list[int]) -> None:
+        inner = inductor_callable(compiled)
+
+        @functools.wraps(inner)
+        def call(args: list[Any]) -> Any:
+            return inner([args[i] for i in keep])
+
+        self.current_callable = call
+
+    def __call__(self, args: list[Any]) -> Any:
+        return self.current_callable(args)

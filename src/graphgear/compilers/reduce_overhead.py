@@ -10,6 +10,7 @@ use, and replays; the engine compiles the graph's native code with Inductor
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -50,4 +51,9 @@ def compile_reduce_overhead(
             f"compiled region to capture the rest, or set fallback='raise' to make this an error."
         )
         return UncapturedGraph(gm, ctx.record)
-    return CaptureEngine(gm, example_inputs, ctx, device, compile_static=compile_static)
+    # frozen_parameter on an inference graph: weights become constants, packed for the C++
+    # GEMM template (small-M matrix products at batch 2 to 8); the CPU graph only
+    frozen = (ctx.config.experimental_config.frozen_parameter and ctx.stage == "inference"
+              and device.type == "cpu")
+    return CaptureEngine(gm, example_inputs, ctx, device,
+                         compile_static=functools.partial(compile_static, frozen=frozen))
