@@ -5,8 +5,9 @@
 
 One table per model size. Rows are contenders: eager, ``torch.compile`` default
 (Inductor), graphgear ``max-autotune``, graphgear ``reduce-overhead``, and
-reduce-overhead with ``serving`` (``inference_config.serving=True``: guard filters and
-frozen parameters, see the README); columns are batch sizes. Each cell is µs per decode
+reduce-overhead with ``frozen_parameter`` (weights packed as constants), and
+``graphgear.inference.serve`` (frozen parameters plus the serving guard filter; see the
+README); columns are batch sizes. Each cell is µs per decode
 step and the ratio to eager; the last column gives the weight bandwidth at batch 1
 (weight bytes read per step / step time) and its share of the machine's single-thread
 read bandwidth, measured in the same run (``torch.sum`` over a 100 MB tensor).
@@ -51,7 +52,8 @@ SIZES = {
     "large": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=2, num_attention_heads=8,
                   num_key_value_heads=4, vocab_size=8192),
 }
-CONTENDERS = ("eager", "torch.compile", "gg max-autotune", "gg reduce-overhead", "gg reduce-overhead frozen")
+CONTENDERS = ("eager", "torch.compile", "gg max-autotune", "gg reduce-overhead", "gg reduce-overhead frozen",
+              "gg serving")
 MAX_LEN = 64
 
 
@@ -86,6 +88,8 @@ def compiled(name: str, model: torch.nn.Module) -> Callable[..., Any]:
         return model
     if name == "torch.compile":
         return torch.compile(model)
+    if name == "gg serving":
+        return graphgear.inference.serve(model)
     cfg = graphgear.CompilerConfig()
     cfg.mode = "max-autotune" if name.endswith("max-autotune") else "reduce-overhead"
     if name.endswith("frozen"):
@@ -177,6 +181,49 @@ def print_table(r: dict[str, Any], batches: list[int], bw: float) -> None:
           + ", ".join(f"{c} {d:.1e}" for c, d in r["max_abs_diff"].items()))
 
 
+def overhead(size: str, steps: int, rounds: int) -> dict[str, float]:
+    """Where a served batch-1 step goes: the whole step, the CPU graph's replay alone
+    (the generated kernels running on the recorded memory) and a bare compiled function
+    (dynamo's floor), side by side; microseconds, median over rounds."""
+    import gc
+
+    from graphgear.capture import CaptureEngine
+
+    graphgear.reset()
+    dec = Decoder("gg serving", build(size), 1)
+    bare = torch.compile(lambda x: x, backend=graphgear.get_backend())
+    x = torch.randn(4)
+    with torch.no_grad():
+        for _ in range(4):
+            dec.step()
+            bare(x)
+        engines = [o for o in gc.get_objects() if type(o) is CaptureEngine
+                   and any(e.graph is not None for e in o.entries.values())]
+        graph = next(e.graph for e in max(engines, key=lambda e: e.calls).entries.values()
+                     if e.graph is not None)
+        n = min(steps, MAX_LEN - 4)
+
+        def timed(fn: Callable[[], Any]) -> float:
+            dec.cache.reset()
+            dec.pos = 0
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            return (time.perf_counter() - t0) / n * 1e6
+
+        parts: dict[str, list[float]] = {"step": [], "kernels": [], "bare": []}
+        for _ in range(rounds):
+            parts["step"].append(timed(dec.step))
+            parts["kernels"].append(timed(graph.replay))
+            parts["bare"].append(timed(lambda: bare(x)))
+    med = {k: statistics.median(v) for k, v in parts.items()}
+    floor = med["kernels"] + med["bare"]
+    print(f"\n{size}, served batch-1 step: {med['step']:.0f} us; kernels (replay alone) "
+          f"{med['kernels']:.0f} us + bare compiled call {med['bare']:.1f} us = {floor:.0f} us; "
+          f"step / that = {med['step'] / floor:.2f}x (target <= 1.5x)")
+    return med
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="small", help="comma-separated: tiny, small, large")
@@ -185,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--contenders", default=",".join(CONTENDERS))
+    ap.add_argument("--overhead", default="tiny", help="model size for the overhead split ('' for none)")
     ap.add_argument("--json", help="write the results here")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -195,9 +243,11 @@ def main(argv: list[str] | None = None) -> int:
         r = bench_size(size, a.batch_sizes, a.steps, a.rounds, contenders)
         print_table(r, a.batch_sizes, bw)
         results.append(r)
+    split = overhead(a.overhead, a.steps, a.rounds) if a.overhead else None
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"read_bandwidth_gbs": bw, "threads": a.threads, "results": results}, f, indent=1)
+            json.dump({"read_bandwidth_gbs": bw, "threads": a.threads, "results": results,
+                       "overhead": split}, f, indent=1)
     return 0
 
 

@@ -184,7 +184,7 @@ def compile_static(
         keep = _freeze_inputs(dgm, args, static)
         fakes = [fakes[i] for i in keep]
         static = []
-        patches.update(max_autotune=True, max_autotune_gemm_backends="CPP,ATEN")
+        patches.update(max_autotune=True, max_autotune_gemm_backends="CPP")
     with cache_context(fakes, replace=True), inductor_config_patch(**patches):
         compiled = inductor_compile_fx_inner(
             dgm, fakes, static_input_idxs=static,

@@ -1,0 +1,87 @@
+"""The serving option (graphgear.inference.serve): guard filter plus frozen parameters;
+results equal eager, and guards on state other than modules still hold."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import graphgear
+from graphgear.inference import serve, serving_guard_filter
+from tests.helpers import assert_close
+
+pytestmark = pytest.mark.inductor
+
+
+@torch.no_grad()
+def test_serve_decodes_like_eager_with_one_capture() -> None:
+    from graphgear.toy_decoder import DecoderConfig, ToyDecoder
+
+    cfg = DecoderConfig(vocab_size=64, hidden_size=32, num_layers=2, intermediate_size=64, max_seq_len=16)
+    model, ref = ToyDecoder(cfg).eval(), ToyDecoder(cfg).eval()
+    ref.load_state_dict(model.state_dict())
+    f = serve(model)
+    tok = ref_tok = torch.tensor([[3]])
+    for p in range(8):
+        out, want = f(tok, torch.tensor([p])), ref(ref_tok, torch.tensor([p]))
+        assert_close(out, want, reduction=64)
+        tok, ref_tok = out[:, -1:].argmax(-1), want[:, -1:].argmax(-1)
+    recs = graphgear.stats().graphs
+    assert len(recs) == 1 and recs[0].captures == 1 and recs[0].fallbacks == []
+
+
+def test_serving_guard_filter_drops_only_module_guards() -> None:
+    seen: list[tuple[int, int]] = []
+
+    def spy(entries):  # type: ignore[no-untyped-def]
+        keep = serving_guard_filter(entries)
+        seen.append((len(entries), sum(keep)))
+        for e, k in zip(entries, keep):  # module guards go, every other guard stays
+            assert k == (not e.orig_guard.source.is_unspecialized_nn_module()), e.name
+        return keep
+
+    class Flag:
+        on = True
+
+    state = Flag()
+    net = torch.nn.Linear(4, 4)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return net(x) + (1.0 if state.on else -1.0)
+
+    f = torch.compile(fn, backend=graphgear.get_backend(), options={"guard_filter_fn": spy})
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        assert_close(f(x), net(x) + 1.0, reduction=4)
+        state.on = False  # not a module: its guard is kept, so this recompiles correctly
+        assert_close(f(x), net(x) - 1.0, reduction=4)
+    assert seen and all(kept < total for total, kept in seen)
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_serve_transformers_static_cache_keeps_the_cache_guard() -> None:
+    """HF's StaticCache initialises lazily on the first call; the guard on its
+    ``is_initialized`` is not a module guard, so the served model compiles a second
+    graph for the initialised cache instead of replaying the first (which would write a
+    new cache each step)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM, StaticCache
+
+    cfg = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model, ref = Qwen2ForCausalLM(cfg).eval(), Qwen2ForCausalLM(cfg).eval()
+    ref.load_state_dict(model.state_dict())
+    f = serve(model)
+    cache, ref_cache = StaticCache(config=cfg, max_cache_len=16), StaticCache(config=cfg, max_cache_len=16)
+    tok = torch.tensor([[5]])
+    for p in range(6):
+        pos = torch.tensor([[p]])
+        out = f(input_ids=tok, cache=cache, position_ids=pos, use_cache=True).logits
+        want = ref(input_ids=tok, cache=ref_cache, position_ids=pos, use_cache=True).logits
+        assert_close(out, want, reduction=128)
+    cache.reset()  # the cache's tensors are the user's, never a graph's output
+    ref_cache.reset()
+    assert_close(f(input_ids=tok, cache=cache, position_ids=torch.tensor([[0]]), use_cache=True).logits,
+                 ref(input_ids=tok, cache=ref_cache, position_ids=torch.tensor([[0]]), use_cache=True).logits,
+                 reduction=128)
