@@ -46,3 +46,19 @@ def test_bench_bad_arguments(argv, msg, capsys) -> None:
         main(argv)
     assert e.value.code == 2
     assert msg in capsys.readouterr().err
+
+
+def test_bench_plot_draws_a_png(tmp_path, capsys) -> None:
+    out = tmp_path / "bench.png"
+    rc = main(["bench", "--steps", "3", "--warmup", "1", "--modes", "eager", "--batch-sizes", "1,2",
+               "--no-progress", "--plot", str(out)])
+    assert rc == 0 and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_plot_without_matplotlib_says_how_to_install(monkeypatch, capsys) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--modes", "eager", "--plot", "x.png"])
+    assert e.value.code == 2 and "pip install 'graphgear[plot]'" in capsys.readouterr().err

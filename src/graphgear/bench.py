@@ -240,3 +240,27 @@ def format_table(results: Sequence[BenchResult]) -> str:
 def write_json(results: Sequence[BenchResult], path: str, meta: dict[str, Any]) -> None:
     with open(path, "w") as f:
         json.dump({"meta": meta, "results": [dataclasses.asdict(r) for r in results]}, f, indent=2)
+
+
+def plot(results: Sequence[BenchResult], path: str, *, title: str = "graphgear bench") -> None:
+    """Step time against batch size, one line per contender, written to ``path`` (PNG).
+    Needs matplotlib (``pip install 'graphgear[plot]'``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for mode in dict.fromkeys(r.mode for r in results):
+        pts = sorted((r.batch_size, r.median_us) for r in results if r.mode == mode and not r.error)
+        if pts:
+            ax.plot([b for b, _ in pts], [t for _, t in pts], marker="o", label=mode)
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("µs per decode step (median)")
+    ax.set_title(title)
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .bench import CONTENDERS, format_table, run_bench, write_json
+from .bench import CONTENDERS, format_table, plot, run_bench, write_json
 
 
 def _sizes(text: str) -> list[int]:
@@ -54,6 +54,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     b.add_argument("--modes", default=None,
                    help="comma-separated subset of: eager, torch.compile, max-autotune, reduce-overhead")
     b.add_argument("--json", metavar="FILE", default=None, help="also write the results as JSON")
+    b.add_argument("--plot", metavar="FILE.png", default=None,
+                   help="draw step time against batch size, one line per contender (needs "
+                        "matplotlib: pip install 'graphgear[plot]')")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -75,6 +78,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if bad:
             parser.error(f"--modes: unknown {bad}; choose from {sorted(alias)}")
         contenders = [c for c in CONTENDERS if c.split()[-1] in wanted or c == "eager"]
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            parser.error("--plot needs matplotlib, an optional extra: pip install 'graphgear[plot]' "
+                         "(or pip install matplotlib)")
     if args.threads:
         torch.set_num_threads(args.threads)
     results = run_bench(
@@ -89,6 +98,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         write_json(results, args.json, {"device": args.device, "steps": args.steps,
                                         "batch_sizes": args.batch_sizes, "torch": torch.__version__})
         print(f"wrote {args.json}")
+    if args.plot:
+        plot(results, args.plot, title=f"graphgear bench, {args.device}, {torch.get_num_threads()} threads")
+        print(f"wrote {args.plot}")
     failed = [r for r in results if r.error]
     return 1 if failed and len(failed) == len(results) else 0
 
