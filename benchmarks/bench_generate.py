@@ -43,12 +43,13 @@ import torch  # noqa: E402
 
 import graphgear  # noqa: E402
 
-CONTENDERS = ("eager", "inductor", "gg-ro", "gg-ma")
+CONTENDERS = ("eager", "inductor", "gg-ro", "gg-ma", "gg-serve")
 LABELS = {
     "eager": "eager",
     "inductor": "torch.compile default",
     "gg-ro": "graphgear reduce-overhead",
     "gg-ma": "graphgear max-autotune",
+    "gg-serve": "graphgear serving",
 }
 
 
@@ -77,6 +78,10 @@ def compile_config(name: str) -> Any:
         return None
     if name == "inductor":
         cc = CompileConfig(backend="inductor", mode="default")
+    elif name == "gg-serve":  # reduce-overhead, frozen (packed) weights, serving guard filter
+        cc = CompileConfig(backend="graphgear", mode=None, options={
+            "mode": "reduce-overhead", "frozen_parameter": True,
+            "guard_filter_fn": graphgear.inference.serving_guard_filter})
     else:
         mode = {"gg-ro": "reduce-overhead", "gg-ma": "max-autotune"}[name]
         cc = CompileConfig(backend="graphgear", mode=None, options={"mode": mode})
