@@ -32,6 +32,7 @@ Tested on torch 2.13.0 (CPU build, CI) and 2.11.0 (CUDA 13 build, on a lent H200
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 from collections.abc import Callable, Sequence
@@ -91,6 +92,7 @@ __all__ = [
     "has_storage",
     "has_triton",
     "inductor_callable",
+    "inductor_drop_args",
     "inductor_compile_fx_inner",
     "inductor_config_patch",
     "inductor_decomp_table",
@@ -519,3 +521,24 @@ def set_backed_size_oblivious(value: bool) -> None:
     from torch.fx.experimental import _config
 
     _config.backed_size_oblivious = value
+
+
+def inductor_drop_args(compiled: Any, keep: list[int]) -> Any:
+    """Inductor's compiled graph called with more inputs than it takes: only those at
+    ``keep`` are passed on (the others became constants of the graph, frozen
+    parameters). Looks like the compiled graph to :func:`inductor_callable` and
+    :func:`inductor_wrapper_globals` (a ``current_callable`` whose ``__wrapped__`` is
+    Inductor's generated ``call``: checked on 2.13)."""
+    inner = inductor_callable(compiled)
+
+    @functools.wraps(inner)
+    def call(args: list[Any]) -> Any:
+        return inner([args[i] for i in keep])
+
+    class _Compiled:
+        current_callable = staticmethod(call)
+
+        def __call__(self, args: list[Any]) -> Any:
+            return call(args)
+
+    return _Compiled()

@@ -16,7 +16,6 @@ into aten ops first, so Inductor fuses them with their neighbours into generated
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -29,10 +28,10 @@ from .._torch import (
     FakeTensorMode,
     TracingContext,
     count_tangents,
-    inductor_callable,
     inductor_compile_fx_inner,
     inductor_config_patch,
     inductor_decomp_table,
+    inductor_drop_args,
     pytree,
     tracing,
     unset_fake_temporarily,
@@ -192,7 +191,7 @@ def compile_static(
         )
     if len(keep) == len(args):
         return compiled
-    return _DropFrozenArgs(compiled, keep)
+    return inductor_drop_args(compiled, keep)
 
 
 def _freeze_inputs(gm: fx.GraphModule, args: Sequence[Any], frozen: Sequence[int]) -> list[int]:
@@ -210,20 +209,3 @@ def _freeze_inputs(gm: fx.GraphModule, args: Sequence[Any], frozen: Sequence[int
     gm.recompile()
     gone = set(frozen)
     return [i for i in range(len(args)) if i not in gone]
-
-
-class _DropFrozenArgs:
-    """Inductor's compiled graph, called with every input; passes on the ones that are
-    not constants of the graph."""
-
-    def __init__(self, compiled: Any, keep: list[int]) -> None:
-        inner = inductor_callable(compiled)
-
-        @functools.wraps(inner)
-        def call(args: list[Any]) -> Any:
-            return inner([args[i] for i in keep])
-
-        self.current_callable = call
-
-    def __call__(self, args: list[Any]) -> Any:
-        return self.current_callable(args)
