@@ -219,7 +219,8 @@ class CaptureEngine:
     # ---- the call --------------------------------------------------------------------
     def __call__(self, args: list[Any]) -> list[Any]:
         self.calls += 1
-        if self.tracked_idx and self.pool.arena().handed:
+        arena = self.pool.arena()
+        if self.tracked_idx and arena.handed:
             self._stage_fed_back(args)
         key = self._key(args)
         e = self.entries.get(key)
@@ -252,10 +253,10 @@ class CaptureEngine:
                 self.record.rebinds += 1
         for i in e.copy_idx:
             bound[i].copy_(args[i])
-        self.pool.invalidate(self._stale)
+        self.pool.invalidate(self._stale, arena)
         outs = g.replay()
         self.record.replays += 1
-        return self._hand_out(e, outs)
+        return self._hand_out(e, outs, arena)
 
     def _stage_fed_back(self, args: list[Any]) -> None:
         """An input used in place that is a live output of this pool (an output fed back
@@ -432,14 +433,14 @@ class CaptureEngine:
             f"compiled model again (out.clone()), or set capture_config.clone_output=True."
         )
 
-    def _hand_out(self, e: _Entry, outs: list[Any]) -> list[Any]:
+    def _hand_out(self, e: _Entry, outs: list[Any], arena: Any = None) -> list[Any]:
         if self.clone_output:
             return [o.clone() if isinstance(o, torch.Tensor) else o for o in outs]
         res = list(outs)
         pool = self.pool
         for i, a in enumerate(e.alias_out):
             if a:
-                res[i] = pool.hand_out(res[i])
+                res[i] = pool.hand_out(res[i], arena)
         return res
 
     # ---- release ---------------------------------------------------------------------

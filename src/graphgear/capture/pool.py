@@ -53,7 +53,15 @@ class Arena:
         self.blocks: list[torch.UntypedStorage] = []
         self.views: list[list[weakref.ref[torch.Tensor]]] = []
         self.handed: list[liveness.Handout] = []
+        # poisoned hand-outs still alive: their owners keep the memory a NumPy array
+        # taken earlier may point at; pruned as they die, given to KEEPER at the end
+        self.kept: list[liveness.Handout] = []
+        weakref.finalize(self, liveness.KEEPER.hold, self.kept)
         self.nbytes = 0
+
+    def prune_kept(self) -> None:
+        if len(self.kept) > 16:
+            self.kept[:] = [h for h in self.kept if not h.ref.expired()]
 
 
 class MemoryPool:
@@ -148,32 +156,37 @@ class MemoryPool:
         return sum(a.nbytes for a in list(self._arenas.values()))
 
     # ---- output liveness ---------------------------------------------------------
-    def hand_out(self, static: torch.Tensor) -> torch.Tensor:
+    def hand_out(self, static: torch.Tensor, arena: Arena | None = None) -> torch.Tensor:
         """An alias of ``static`` (pool memory) for the user, tracked for
-        :meth:`invalidate`."""
+        :meth:`invalidate`; ``arena``: the calling thread's, when the caller has it."""
         t = liveness.alias(static)
-        self.arena().handed.append(liveness.Handout(t, static.untyped_storage()))
+        (arena or self.arena()).handed.append(liveness.Handout(t, static.untyped_storage()))
         return t
 
     def handed_ptrs(self) -> set[int]:
         """Data pointers of the calling thread's outputs that are still valid."""
         return {h.ptr for h in self.arena().handed if not h.ref.expired()}
 
-    def invalidate(self, msg: str) -> int:
-        """Poison every output the calling thread was handed that is still alive."""
-        a = self.arena()
+    def invalidate(self, msg: str, arena: Arena | None = None) -> int:
+        """Poison every output the calling thread was handed that is still alive;
+        ``arena``: the calling thread's, when the caller has it."""
+        a = arena or self.arena()
         if not a.handed:
-            liveness.KEEPER.sweep()
             return 0
         handed, a.handed = a.handed, []
         poison = liveness.poisoner()
-        return liveness.poison_all(handed, msg, poison) if poison is not None else 0
+        if poison is None:
+            return 0
+        a.prune_kept()
+        return liveness.poison_all(handed, msg, poison, a.kept)
 
     def _release_arena(self, a: Arena) -> None:
         handed, a.handed = a.handed, []
         poison = liveness.poisoner() if handed else None
         if poison is not None:
-            liveness.poison_all(handed, _RESET_MSG, poison)
+            liveness.poison_all(handed, _RESET_MSG, poison, a.kept)
+        kept, a.kept[:] = list(a.kept), []
+        liveness.KEEPER.hold(kept)
         a.blocks.clear()
         a.views.clear()
         a.nbytes = 0
