@@ -214,7 +214,21 @@ def key_parts(fn: Any, config: CompilerConfig, args: tuple[Any, ...], kwargs: di
         "inputs": shapes_without_gears,
         "dynamic": str(bool(dynamic)),
         "rank": str(rank),
+        "module": _module_digest(fn),
     }
+
+
+def _module_digest(fn: Any) -> str:
+    """The structure of a module (``fn`` or a bound method's owner): every parameter's and
+    buffer's name, dtype, shape and device, and every module's class; its values are not
+    part of the key (they are inputs at run time)."""
+    module = fn if isinstance(fn, nn.Module) else getattr(fn, "__self__", None)
+    if not isinstance(module, nn.Module):
+        return "-"
+    state = [(n, str(t.dtype), list(t.shape), str(t.device))
+             for n, t in [*module.named_parameters(), *module.named_buffers()]]
+    classes = [(n, type(m).__qualname__) for n, m in module.named_modules()]
+    return _digest([state, classes])
 
 
 def _walk_specs(obj: Any) -> Iterator[dict[str, Any]]:
