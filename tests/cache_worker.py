@@ -51,7 +51,9 @@ def main() -> None:
     with torch.no_grad():
         if a.precompile:
             for g in gears:
-                fn(torch.zeros(g, 1, dtype=torch.long), positions)
+                t = torch.zeros(g, 1, dtype=torch.long)
+                graphgear.set_dim_gears(t, {0: gears})
+                fn(t, positions)
             model.reset_cache()
         out = fn(tokens, positions)
     ready = time.perf_counter() - T0
