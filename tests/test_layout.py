@@ -26,6 +26,7 @@ LAYERS: list[set[str]] = [
     {"graphgear.compilers"},
     {"graphgear.pipeline"},
     {"graphgear.backend"},
+    {"graphgear.cache"},
     {"graphgear.inference", "graphgear.bench"},
     {"graphgear", "graphgear.cli"},
 ]

@@ -70,6 +70,11 @@ from torch.utils import _pytree as pytree
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "SerializableCallable",
+    "autograd_cache_off",
+    "graph_pickle_dumps",
+    "graph_pickle_loads",
+    "tracing_with",
     "INDUCTOR_ALLOC_NAMES",
     "FakeTensor",
     "FakeTensorMode",
@@ -542,3 +547,47 @@ def inductor_drop_args(compiled: Any, keep: list[int]) -> Any:
             return call(args)
 
     return _Compiled()
+
+
+# --------------------------------------------------------------------------- precompile (cache.py)
+
+try:  # checked on 2.13: torch.compile(...).aot_compile's protocol for a backend's result
+    from torch._dynamo.aot_compile_types import SerializableCallable
+except ImportError:  # torch < 2.10: no precompile; graphgear.cache then always compiles
+    SerializableCallable = None  # type: ignore[assignment,misc]
+
+
+def graph_pickle_dumps(gm: torch.fx.GraphModule) -> bytes:
+    """Pickle an FX graph module with fake-tensor metadata (``torch.fx._graph_pickler``,
+    what Inductor's compile subprocess uses; checked on 2.13)."""
+    from torch.fx._graph_pickler import GraphPickler, Options
+
+    return GraphPickler.dumps(gm, Options(ops_filter=None))
+
+
+def graph_pickle_loads(data: bytes) -> tuple[torch.fx.GraphModule, Any]:
+    """The graph module of :func:`graph_pickle_dumps` and the fresh fake mode (with its
+    own ShapeEnv) its placeholders' ``example_value`` live in."""
+    from torch._subclasses import FakeTensorMode
+    from torch.fx._graph_pickler import GraphPickler
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+    gm = GraphPickler.loads(data, fake_mode)
+    return gm, fake_mode
+
+
+def tracing_with(fake_mode: Any) -> contextlib.AbstractContextManager[Any]:
+    """``torch._guards.tracing`` with a fresh ``TracingContext`` on ``fake_mode``, as
+    dynamo gives a backend (checked on 2.13)."""
+    return torch._guards.tracing(torch._guards.TracingContext(fake_mode))
+
+
+def autograd_cache_off() -> contextlib.AbstractContextManager[Any]:
+    """``aot_compile`` forces AOTAutograd's bundled cache, which expects Inductor's
+    ``OutputCode`` from every compiler; graphgear's compilers return their own callables,
+    so it is switched off around graphgear's backend (checked on 2.13)."""
+    return torch._functorch.config.patch(
+        force_autograd_cache=False, bundled_autograd_cache=False, strict_autograd_cache=False,
+        enable_autograd_cache=False, bypass_autograd_cache_key=False,
+    )

@@ -10,6 +10,8 @@ from collections.abc import Sequence
 import torch
 
 from .bench import CONTENDERS, format_table, plot, run_bench, write_json
+from .cache import cache_folder, clear_entries, list_entries
+from .debug import text_table
 
 
 def _sizes(text: str) -> list[int]:
@@ -32,6 +34,21 @@ def _positive(text: str) -> int:
     if v <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}")
     return v
+
+
+def _cache_command(command: str, folder: str | None) -> int:
+    root = cache_folder(folder)
+    if command == "clear":
+        print(f"removed {clear_entries(root)} entries from {root}")
+        return 0
+    entries = list_entries(root)
+    rows = [[e.name, e.key[:12] or "(unreadable)",
+             " ".join(f"{k}={e.parts[k][:8]}" for k in ("torch", "graphgear", "config", "code", "rank") if k in e.parts),
+             f"{e.size / 1024:.0f} KiB", f"{e.age_seconds / 3600:.1f} h", e.path]
+            for e in entries]
+    print(text_table(["name", "key", "parts", "size", "age", "path"], rows, rule=False))
+    print(f"{len(entries)} entries in {root}")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -58,8 +75,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="draw step time against batch size, one line per contender (needs "
                         "matplotlib: pip install 'graphgear[plot]')")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
+    c = sub.add_parser("cache", help="list or clear graphgear's compile cache (graphgear.inference.cache_compile)")
+    csub = c.add_subparsers(dest="cache_command", required=True)
+    for name, text in (("ls", "list entries: name, key parts, size, age"), ("clear", "delete every entry")):
+        cp = csub.add_parser(name, help=text)
+        cp.add_argument("dir", nargs="?", default=None,
+                        help="cache folder (default $GRAPHGEAR_CACHE_DIR or ~/.cache/graphgear)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.command == "cache":
+        return _cache_command(args.cache_command, args.dir)
 
     if args.device not in ("cpu", "cuda", "npu"):
         parser.error(f"--device must be cpu, cuda or npu; got {args.device!r}")
@@ -107,3 +132,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+

@@ -34,13 +34,14 @@ from typing import Any
 import torch
 
 from .backend import get_backend
+from .cache import cache_compile
 from .config import CompilerConfig
 from .dispatch import precompile_gears
 from .gears import set_dim_gears
 
 log = logging.getLogger(__name__)
 
-__all__ = ["precompile_gears", "serve", "serving_guard_filter", "set_dim_gears"]
+__all__ = ["cache_compile", "precompile_gears", "serve", "serving_guard_filter", "set_dim_gears"]
 
 
 def serving_guard_filter(guard_entries: list[Any]) -> list[bool]:

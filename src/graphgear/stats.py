@@ -20,7 +20,7 @@ from .debug import text_table
 
 log = logging.getLogger(__name__)
 
-__all__ = ["GraphRecord", "Stats", "new_record", "on_reset", "record_joint_passes", "register_release", "reset", "stats"]
+__all__ = ["GraphRecord", "Stats", "new_record", "on_reset", "record_count", "records_since", "record_joint_passes", "register_release", "reset", "stats"]
 
 
 @dataclasses.dataclass
@@ -43,6 +43,8 @@ class GraphRecord:
     uncaptured_runs: int = 0
     rebinds: int = 0  # CPU graph: replays that rebound a moved input used in place (a new KV cache)
     recaptures: int = 0  # CUDA/NPU: captures (of the compiled code) for a moved input used in place
+    cache: str = ""  # graphgear.cache: "hit" (loaded), "miss" (compiled, not stored), "stored"; "" unused
+    cache_load_seconds: float = 0.0  # graphgear.cache: seconds to check and load the entry (hits)
 
     def add_fallback(self, op: str, reason: str) -> None:
         if (op, reason) not in self.fallbacks:
@@ -103,6 +105,18 @@ def on_reset(fn: Callable[[], None]) -> None:
     with _lock:
         if fn not in _on_reset:
             _on_reset.append(fn)
+
+
+def record_count() -> int:
+    """How many records exist now (``graphgear.cache`` marks the ones created after)."""
+    with _lock:
+        return len(_records)
+
+
+def records_since(n: int) -> list[GraphRecord]:
+    """The records created after :func:`record_count` returned ``n``."""
+    with _lock:
+        return list(_records[n:])
 
 
 def new_record(stage: str, mode: str) -> GraphRecord:

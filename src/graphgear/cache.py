@@ -1,0 +1,604 @@
+"""A compile cache: a restarted process serves without dynamo tracing the function.
+
+:func:`cache_compile` (also ``graphgear.inference.cache_compile``) wraps a function or an
+``nn.Module``. On a call with an input spec it has no entry for, it builds the cache key,
+and either loads a trusted entry (``stats()``: ``cache="hit"``) or compiles with torch
+2.13's precompile (``torch.compile(fn, fullgraph=True).aot_compile(...)``) and stores the
+result (``"stored"``).
+
+**What is stored** (one file per key): torch's ``save_compiled_function`` payload, that is
+dynamo's transformed bytecode and guards, plus graphgear's :class:`_CachedGraph`: dynamo's
+FX graph (pickled with ``torch.fx``'s ``GraphPickler``, placeholders' fake tensors
+included), the config (``as_dict()``), the input names and their gears. **What a later
+process still does**: no dynamo trace; it runs graphgear's backend on the stored graph
+(AOTAutograd, passes, per-gear specialisation; Inductor is then served by its own on-disk
+FX graph cache) and captures device graphs, which cannot be saved. graphgear's compiled
+artifacts (capture engines, geared dispatch) are not ``OutputCode``, so torch's bundled
+AOTAutograd cache cannot hold them: that is the gap between this cache and "no compile".
+
+**Trust.** The file format is ``MAGIC``, one JSON header line (key parts, payload sha256)
+and the payload. Before anything is unpickled, the loader refuses, with a warning naming
+the file and the reason, and then recompiles: a cache folder not owned by the user or
+writable by group/others (a symlinked folder is judged by what it resolves to); a symlink
+inside it (entry or sub-folder); an entry file not owned by the user or with a mode other
+than 0600; a payload whose sha256 differs from the header's; a header whose key parts
+(torch/graphgear versions, code hash, ...) differ from this process's. Unpickling itself
+is torch's own (``load_compiled_function``), which builds code objects by design: the
+ownership, mode and checksum checks are what make it safe, not the unpickler.
+
+**Writes** happen only after a new compile, under an exclusive ``fcntl.flock`` on
+``<folder>/.lock``, to a private temporary file that ``os.replace`` renames: a reader
+never sees a half-written entry, and two writers both succeed (the last rename wins).
+
+**Guards.** Every call of a stored or loaded function checks dynamo's guards first
+(``guard_check``, the same check ``torch.compile`` makes). Where they reject the call (a
+module attribute or global changed; also every call with tensors marked by
+``set_dim_gears``, whose serialised guards torch 2.13 rejects), the function runs through
+plain ``torch.compile`` with graphgear instead, with one warning: correct, but without
+the cache's start-up gain (see README "Compile cache", gaps).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import fcntl
+import hashlib
+import inspect
+import io
+import json
+import logging
+import os
+import pickle
+import stat
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._torch import (
+    SerializableCallable,
+    autograd_cache_off,
+    graph_pickle_dumps,
+    graph_pickle_loads,
+    tracing_with,
+)
+from .backend import get_backend
+from .cachedir import default_cache_root
+from .config import CompilerConfig
+from .gears import get_dim_gears
+from .inputs import GraphInputs
+from .passes import PASSES_VERSION
+from .stats import record_count, records_since
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CacheEntry", "cache_compile", "cache_folder", "clear_entries", "list_entries"]
+
+MAGIC = b"GRAPHGEAR-CACHE-1\n"
+SUFFIX = ".ggc"
+ENV_VAR = "GRAPHGEAR_CACHE_DIR"
+
+
+def _graphgear_version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("graphgear")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def cache_folder(cache_dir: str | None = None) -> str:
+    """The cache folder: ``cache_dir``, else ``$GRAPHGEAR_CACHE_DIR``, else
+    ``~/.cache/graphgear`` (``$XDG_CACHE_HOME/graphgear``)."""
+    if cache_dir:
+        return cache_dir
+    return os.environ.get(ENV_VAR) or os.path.join(default_cache_root(), "graphgear")
+
+
+# --------------------------------------------------------------------------- trust checks
+
+
+def folder_unsafe_reason(path: str) -> str | None:
+    """Why ``path`` is not a private folder of the current user (resolving a symlink),
+    or ``None``."""
+    try:
+        st = os.stat(path)  # follows a symlinked folder: judged by what it resolves to
+    except OSError as e:
+        return f"cannot stat it ({e.strerror})"
+    if not stat.S_ISDIR(st.st_mode):
+        return "it is not a directory"
+    if st.st_uid != os.getuid():
+        return f"it is owned by uid {st.st_uid}, not by the current user (uid {os.getuid()})"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"it is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o}; 0700 expected)"
+    return None
+
+
+def file_unsafe_reason(path: str) -> str | None:
+    """Why the entry file ``path`` may not be loaded (symlink, owner, mode), or ``None``."""
+    try:
+        st = os.lstat(path)
+    except OSError as e:
+        return f"cannot stat it ({e.strerror})"
+    if stat.S_ISLNK(st.st_mode):
+        return "it is a symlink inside the cache folder"
+    if not stat.S_ISREG(st.st_mode):
+        return "it is not a regular file"
+    if st.st_uid != os.getuid():
+        return f"it is owned by uid {st.st_uid}, not by the current user (uid {os.getuid()})"
+    if stat.S_IMODE(st.st_mode) != 0o600:
+        return f"its mode is {stat.S_IMODE(st.st_mode):04o}, not 0600"
+    return None
+
+
+def _entry_folder(root: str, rank: int | None) -> tuple[str, str | None]:
+    """``root`` (or its ``rank<N>`` sub-folder), created 0700; and why it is unsafe."""
+    try:
+        os.makedirs(root, 0o700, exist_ok=True)
+    except OSError as e:
+        return root, f"cannot create it ({e.strerror})"
+    reason = folder_unsafe_reason(root)
+    if reason is not None or rank is None:
+        return root, reason
+    sub = os.path.join(root, f"rank{int(rank)}")
+    if os.path.islink(sub):
+        return sub, "it is a symlink inside the cache folder"
+    try:
+        os.mkdir(sub, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as e:
+        return sub, f"cannot create it ({e.strerror})"
+    return sub, folder_unsafe_reason(sub)
+
+
+# --------------------------------------------------------------------------- key
+
+
+def _source_of(fn: Any) -> str:
+    """The source the code hash covers: a module's class (its ``forward`` included) or a
+    function; the code object's bytes when no source is available."""
+    targets: list[Any] = []
+    if isinstance(fn, nn.Module):
+        targets = [type(fn)]
+    elif inspect.ismethod(fn):
+        targets = [type(fn.__self__), fn.__func__]
+    else:
+        targets = [fn]
+    parts = []
+    for t in targets:
+        try:
+            parts.append(inspect.getsource(t))
+        except (OSError, TypeError):
+            code = getattr(t, "__code__", None)
+            parts.append(repr(code.co_code) if code is not None else repr(t))
+    return "\n".join(parts)
+
+
+def _spec(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        gears = {str(d): list(s) for d, s in sorted(get_dim_gears(x).items())}
+        return {"dtype": str(x.dtype), "device": str(x.device), "shape": list(x.shape),
+                "requires_grad": x.requires_grad, "gears": gears}
+    if isinstance(x, (list, tuple)):
+        return [_spec(v) for v in x]
+    if isinstance(x, dict):
+        return {str(k): _spec(v) for k, v in sorted(x.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(x, (int, float, bool, str)) or x is None:
+        return {"type": type(x).__name__, "value": x}
+    return {"type": type(x).__qualname__}
+
+
+def _digest(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _signature(x: Any) -> Any:
+    """A cheap hashable summary of a call's inputs (what :func:`_spec` digests)."""
+    if isinstance(x, torch.Tensor):
+        return (tuple(x.shape), x.dtype, x.device, x.requires_grad,
+                tuple(sorted((d, tuple(g)) for d, g in get_dim_gears(x).items())))
+    if isinstance(x, (list, tuple)):
+        return tuple(_signature(v) for v in x)
+    if isinstance(x, dict):
+        return tuple(sorted(((str(k), _signature(v)) for k, v in x.items()), key=lambda kv: kv[0]))
+    if isinstance(x, (int, float, bool, str)) or x is None:
+        return (type(x), x)
+    return type(x)
+
+
+def key_parts(fn: Any, config: CompilerConfig, args: tuple[Any, ...], kwargs: dict[str, Any],
+              dynamic: bool, rank: int | None) -> dict[str, str]:
+    """Every part of the cache key, each a short string (versions) or a sha256."""
+    specs = {"args": _spec(list(args)), "kwargs": _spec(kwargs)}
+    gears = [s.get("gears") for s in _walk_specs(specs) if s.get("gears")]
+    shapes_without_gears = _digest(_strip_geared(specs))
+    return {
+        "torch": torch.__version__,
+        "graphgear": _graphgear_version(),
+        "config": _digest(config.as_dict()),
+        "code": hashlib.sha256(_source_of(fn).encode()).hexdigest(),
+        "passes": str(PASSES_VERSION),
+        "gears": _digest(gears),
+        "inputs": shapes_without_gears,
+        "dynamic": str(bool(dynamic)),
+        "rank": str(rank),
+        "module": _module_digest(fn),
+    }
+
+
+def _module_digest(fn: Any) -> str:
+    """The structure of a module (``fn`` or a bound method's owner): every parameter's and
+    buffer's name, dtype, shape and device, and every module's class; its values are not
+    part of the key (they are inputs at run time)."""
+    module = fn if isinstance(fn, nn.Module) else getattr(fn, "__self__", None)
+    if not isinstance(module, nn.Module):
+        return "-"
+    state = [(n, str(t.dtype), list(t.shape), str(t.device))
+             for n, t in [*module.named_parameters(), *module.named_buffers()]]
+    classes = [(n, type(m).__qualname__) for n, m in module.named_modules()]
+    return _digest([state, classes])
+
+
+def _walk_specs(obj: Any) -> Iterator[dict[str, Any]]:
+    if isinstance(obj, dict):
+        if "dtype" in obj:
+            yield obj
+            return
+        for v in obj.values():
+            yield from _walk_specs(v)
+    elif isinstance(obj, list):
+        for v in obj:
+            yield from _walk_specs(v)
+
+
+def _strip_geared(obj: Any) -> Any:
+    """The specs with geared dims' sizes left out: any size in the gears hits one entry."""
+    if isinstance(obj, dict):
+        if "dtype" in obj:
+            shape = [None if str(d) in obj["gears"] else s for d, s in enumerate(obj["shape"])]
+            return {**obj, "shape": shape}
+        return {k: _strip_geared(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_strip_geared(v) for v in obj]
+    return obj
+
+
+def _name_of(fn: Any) -> str:
+    target = type(fn) if isinstance(fn, nn.Module) else fn
+    name = getattr(target, "__qualname__", None) or type(target).__name__
+    return "".join(c if c.isalnum() or c in "_-" else "_" for c in name)[:60]
+
+
+# --------------------------------------------------------------------------- graphgear's serialisable result
+
+
+_Base: Any = SerializableCallable if SerializableCallable is not None else object
+
+
+class _CachedGraph(_Base):  # type: ignore[misc,valid-type]
+    """The result of graphgear's backend under ``aot_compile``: the compiled callable, and
+    what a later process needs to rebuild it without dynamo (the dynamo graph, config,
+    input names and gears)."""
+
+    def __init__(self, gm: torch.fx.GraphModule, config: dict[str, Any], names: list[str],
+                 gears: dict[int, dict[int, list[int]]], compiled: Callable[..., Any]) -> None:
+        self.gm, self.config, self.names, self.gears, self.compiled = gm, config, names, gears, compiled
+
+    @classmethod
+    def serialize_compile_artifacts(cls, fn: _CachedGraph) -> bytes:
+        gm = fn.gm
+        for n in gm.graph.nodes:  # AOTAutograd re-traces: only the inputs' fake tensors are needed
+            keep = {"example_value": n.meta["example_value"]} if n.op == "placeholder" and "example_value" in n.meta else {}
+            n.meta.clear()
+            n.meta.update(keep)
+        gm.meta.clear()
+        return pickle.dumps({"gm": graph_pickle_dumps(gm), "config": fn.config, "names": fn.names,
+                             "gears": fn.gears})
+
+    @classmethod
+    def deserialize_compile_artifacts(cls, data: bytes) -> _CachedGraph:
+        state = _RestrictedUnpickler(io.BytesIO(data)).load()
+        gm, fake_mode = graph_pickle_loads(state["gm"])
+        gm.recompile()
+        example_inputs = [n.meta["example_value"] for n in gm.graph.find_nodes(op="placeholder")]
+        config = CompilerConfig.from_dict(state["config"])
+        # the gears reach the backend by input name (inference_config.input_gears)
+        config.inference_config.input_gears = {state["names"][i]: d for i, d in state["gears"].items()}
+        with tracing_with(fake_mode), torch.no_grad(), autograd_cache_off():
+            compiled = get_backend(config)(gm, example_inputs)
+        return cls(gm, state["config"], state["names"], state["gears"], compiled)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.compiled(*args, **kwargs)
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    """graphgear's own part of an entry holds only builtin containers and ``bytes``."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"graphgear cache: global {module}.{name} is not allowed here")
+
+
+def _caching_backend(config: CompilerConfig) -> Callable[..., Any]:
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> _CachedGraph:
+        inputs = GraphInputs.from_dynamo(gm, example_inputs, config.inference_config.input_gears)
+        keep = copy.deepcopy(gm)
+        with autograd_cache_off():
+            compiled = get_backend(config)(gm, example_inputs)
+        return _CachedGraph(keep, config.as_dict(), list(inputs.names), dict(inputs.dim_gears), compiled)
+
+    backend.__name__ = "graphgear_cache"
+    return backend
+
+
+# --------------------------------------------------------------------------- entry files
+
+
+@dataclasses.dataclass
+class CacheEntry:
+    """One entry file, as ``graphgear cache ls`` shows it."""
+
+    path: str
+    name: str
+    key: str
+    parts: dict[str, str]
+    size: int
+    age_seconds: float
+
+
+@contextlib.contextmanager
+def _locked(folder: str) -> Iterator[None]:
+    fd = os.open(os.path.join(folder, ".lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def _write_entry(path: str, name: str, key: str, parts: dict[str, str], payload: bytes) -> None:
+    header = {"name": name, "key": key, "parts": parts, "sha256": hashlib.sha256(payload).hexdigest(),
+              "size": len(payload), "created": time.time()}
+    folder = os.path.dirname(path)
+    with _locked(folder):
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=folder)  # mode 0600
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(MAGIC + json.dumps(header, sort_keys=True).encode() + b"\n" + payload)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+
+
+def _read_header(f: Any) -> dict[str, Any]:
+    if f.read(len(MAGIC)) != MAGIC:
+        raise ValueError("it is not a graphgear cache entry (bad magic)")
+    line = f.readline(1 << 20)
+    if not line.endswith(b"\n"):
+        raise ValueError("its header is truncated")
+    header = json.loads(line)
+    if not isinstance(header, dict) or not isinstance(header.get("parts"), dict):
+        raise ValueError("its header is malformed")
+    return header
+
+
+def _read_trusted(path: str) -> tuple[dict[str, Any], bytes]:
+    """Header and payload of ``path`` after the file checks and the checksum; raises
+    ``ValueError`` with the reason to refuse it."""
+    reason = file_unsafe_reason(path)
+    if reason is not None:
+        raise ValueError(reason)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())  # the file opened is the file checked
+        if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) != 0o600:
+            raise ValueError("it changed owner or mode while being opened")
+        header = _read_header(f)
+        payload = f.read()
+    if len(payload) != header.get("size") or hashlib.sha256(payload).hexdigest() != header.get("sha256"):
+        raise ValueError("its checksum does not match (truncated or corrupted)")
+    return header, payload
+
+
+def _differing(stored: dict[str, str], current: dict[str, str]) -> list[str]:
+    return [k for k in current if stored.get(k) != current[k]] + [k for k in stored if k not in current]
+
+
+def list_entries(cache_dir: str | None = None) -> list[CacheEntry]:
+    """Every entry under the cache folder (rank sub-folders included); unreadable files
+    are listed with an empty key."""
+    root = cache_folder(cache_dir)
+    out: list[CacheEntry] = []
+    now = time.time()
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if not os.path.islink(os.path.join(folder, d))]
+        for fname in sorted(files):
+            if not fname.endswith(SUFFIX):
+                continue
+            path = os.path.join(folder, fname)
+            st = os.lstat(path)
+            try:
+                with open(path, "rb") as f:
+                    header = _read_header(f)
+            except (OSError, ValueError):
+                header = {"name": fname, "key": "", "parts": {}}
+            out.append(CacheEntry(path=path, name=str(header.get("name")), key=str(header.get("key")),
+                                  parts=dict(header.get("parts") or {}), size=st.st_size,
+                                  age_seconds=now - st.st_mtime))
+    return out
+
+
+def clear_entries(cache_dir: str | None = None) -> int:
+    """Delete every entry file (and temporary file) under the cache folder; the count."""
+    root = cache_folder(cache_dir)
+    n = 0
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if not os.path.islink(os.path.join(folder, d))]
+        for fname in files:
+            if fname.endswith(SUFFIX) or fname.startswith(".tmp-"):
+                os.unlink(os.path.join(folder, fname))
+                n += int(fname.endswith(SUFFIX))
+    return n
+
+
+# --------------------------------------------------------------------------- the cached callable
+
+
+class CachedFunction:
+    """What :func:`cache_compile` returns: call it as the function (or module) itself."""
+
+    def __init__(self, fn: Any, config: CompilerConfig, cache_dir: str | None, dynamic: bool,
+                 rank: int | None) -> None:
+        if SerializableCallable is None:
+            raise RuntimeError("graphgear.cache_compile needs torch's precompile (torch >= 2.10).")
+        self.fn = fn
+        self.module: nn.Module | None = fn if isinstance(fn, nn.Module) else None
+        self._func: Callable[..., Any] = type(fn).forward if isinstance(fn, nn.Module) else fn
+        if self.module is None and inspect.ismethod(fn) and isinstance(fn.__self__, nn.Module):
+            self.module = fn.__self__
+            self._func = fn.__func__
+        self.config = config.copy()
+        self.cache_dir = cache_folder(cache_dir)
+        self.dynamic = dynamic
+        self.rank = rank
+        self._loaded: dict[str, Any] = {}  # key -> AOTCompiledFunction, or the fallback
+        self._keys: dict[Any, tuple[str, dict[str, str]]] = {}  # call signature -> key
+        self._fallback: Any = None
+        self._warned = False
+
+    def _call(self, compiled: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self.module is not None:
+            return compiled(self.module, *args, **kwargs)
+        return compiled(*args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        sig = _signature((args, kwargs))
+        known = self._keys.get(sig)
+        if known is None:  # the full key (source, config, module...) once per signature
+            parts = key_parts(self.fn, self.config, args, kwargs, self.dynamic, self.rank)
+            known = self._keys[sig] = (_digest(parts), parts)
+        key, parts = known
+        compiled = self._loaded.get(key)
+        if compiled is None:
+            compiled = self._load_or_compile(key, parts, args, kwargs)
+            self._loaded[key] = compiled
+        if compiled is self._fallback:
+            return compiled(*args, **kwargs)
+        call_args = (self.module, *args) if self.module is not None else args
+        if not compiled.guard_check(*call_args, **kwargs):
+            return self._run_uncached(key, args, kwargs)
+        return self._call(compiled, args, kwargs)
+
+    def _run_uncached(self, key: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The entry's guards reject this call: run it through plain torch.compile."""
+        if not self._warned:
+            self._warned = True
+            log.warning("graphgear cache: the guards of the compiled entry of %s reject this call "
+                        "(tensors marked by set_dim_gears, or module state or globals that "
+                        "changed); it runs through torch.compile with graphgear instead, without "
+                        "the cache.", _name_of(self.fn))
+        if self._fallback is None:
+            target = self.module if self.module is not None else self.fn
+            self._fallback = torch.compile(target, backend=get_backend(self.config),
+                                           dynamic=None if self.dynamic else False)
+        self._loaded[key] = self._fallback
+        return self._fallback(*args, **kwargs)
+
+    def _entry_path(self, folder: str, key: str) -> str:
+        return os.path.join(folder, f"{_name_of(self.fn)}-{key[:24]}{SUFFIX}")
+
+    def _load_or_compile(self, key: str, parts: dict[str, str], args: tuple[Any, ...],
+                         kwargs: dict[str, Any]) -> Any:
+        folder, reason = _entry_folder(self.cache_dir, self.rank)
+        if reason is not None:
+            log.warning("graphgear cache: not using folder %s: %s; compiling without the cache", folder, reason)
+            return self._compile(args, kwargs, None, key, parts)
+        path = self._entry_path(folder, key)
+        n0 = record_count()
+        t0 = time.perf_counter()
+        if os.path.lexists(path):
+            try:
+                header, payload = _read_trusted(path)
+                diff = _differing(header["parts"], parts)
+                if header.get("key") != key or diff:
+                    raise ValueError(f"its key parts differ ({', '.join(diff) or 'key'})")
+                compiled = torch.compiler.load_compiled_function(io.BytesIO(payload))
+                compiled.disable_guard_check()  # __call__ checks them first, once
+            except Exception as e:  # refuse, never run it: recompile
+                log.warning("graphgear cache: refusing %s: %s; compiling instead", path, e)
+            else:
+                seconds = time.perf_counter() - t0
+                for rec in records_since(n0):
+                    rec.cache, rec.cache_load_seconds = "hit", seconds
+                log.info("graphgear cache: loaded %s in %.2f s", path, seconds)
+                return compiled
+        else:
+            self._log_miss(folder, parts)
+        return self._compile(args, kwargs, path, key, parts)
+
+    def _log_miss(self, folder: str, parts: dict[str, str]) -> None:
+        """One log line naming the key part that differs from the nearest entry of this function."""
+        prefix = _name_of(self.fn) + "-"
+        best: list[str] | None = None
+        for fname in os.listdir(folder):
+            if not (fname.startswith(prefix) and fname.endswith(SUFFIX)):
+                continue
+            try:
+                with open(os.path.join(folder, fname), "rb") as f:
+                    stored = _read_header(f)["parts"]
+            except (OSError, ValueError):
+                continue
+            diff = _differing(stored, parts)
+            if best is None or len(diff) < len(best):
+                best = diff
+        if best is None:
+            log.info("graphgear cache: miss for %s (no entry for it in %s)", _name_of(self.fn), folder)
+        else:
+            log.info("graphgear cache: miss for %s: key part(s) differ from the nearest entry: %s",
+                     _name_of(self.fn), ", ".join(best))
+
+    def _compile(self, args: tuple[Any, ...], kwargs: dict[str, Any], path: str | None, key: str,
+                 parts: dict[str, str]) -> Any:
+        n0 = record_count()
+        dynamic = None if self.dynamic else False  # True: dims marked (set_dim_gears) are dynamic
+        call_args = (self.module, *args) if self.module is not None else args
+        with torch.no_grad():
+            compiled = torch.compile(self._func, fullgraph=True, dynamic=dynamic,
+                                     backend=_caching_backend(self.config)).aot_compile((call_args, kwargs))
+        compiled.disable_guard_check()  # __call__ checks them first, once
+        status = "miss"
+        if path is not None:
+            try:
+                payload = type(compiled).serialize(compiled).serialized_data
+                _write_entry(path, _name_of(self.fn), key, parts, payload)
+                status = "stored"
+                log.info("graphgear cache: stored %s", path)
+            except Exception as e:  # a cache that cannot be written must not break serving
+                log.warning("graphgear cache: could not store %s: %s", path, e)
+        for rec in records_since(n0):
+            rec.cache = status
+        return compiled
+
+
+def cache_compile(fn: Any, *, config: CompilerConfig | None = None, cache_dir: str | None = None,
+                  dynamic: bool = True, rank: int | None = None) -> CachedFunction:
+    """Compile ``fn`` (a function, an ``nn.Module`` or a module's bound method) with
+    graphgear through a compile cache; see the module docstring.
+
+    ``dynamic=True`` keeps the dims marked by ``set_dim_gears`` dynamic (torch's
+    ``dynamic=None``); ``False`` compiles every dim static. ``rank`` stores entries in a
+    ``rank<N>`` sub-folder. Calls run under ``torch.no_grad()`` semantics of the compiled
+    graph (inference)."""
+    return CachedFunction(fn, config if config is not None else CompilerConfig(), cache_dir, dynamic, rank)

@@ -1,0 +1,230 @@
+"""graphgear.inference.cache_compile: two fresh processes hit and miss by key parts; the
+loader refuses untrusted entries (mode, owner, symlink, checksum, version) and
+recompiles; racing writers; rank sub-folders; the CLI's ls/clear."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import graphgear
+from graphgear import cache as gcache
+from graphgear.cli import main as cli_main
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = ROOT / "tests" / "cache_worker.py"
+
+
+def _worker(cache_dir: Path, *extra: str) -> dict[str, Any]:
+    env = dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}{os.pathsep}{ROOT}")
+    p = subprocess.run([sys.executable, str(WORKER), "--cache-dir", str(cache_dir), *extra],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+    out = json.loads(line[len("RESULT "):])
+    out["log"] = p.stdout + p.stderr
+    return out
+
+
+def _entries(folder: Path) -> list[Path]:
+    return sorted(folder.rglob("*.ggc"))
+
+
+@pytest.fixture(scope="module")
+def stored(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    folder = tmp_path_factory.mktemp("ggcache")
+    os.chmod(folder, 0o700)
+    first = _worker(folder)
+    assert first["cache"] == ["stored"]
+    return folder, first
+
+
+@pytest.mark.slow
+def test_second_process_hits_bit_for_bit(stored: tuple[Path, dict[str, Any]]) -> None:
+    folder, first = stored
+    second = _worker(folder)
+    assert second["cache"] == ["hit"] and second["load_s"][0] > 0
+    assert second["sha"] == first["sha"]
+    assert "graphgear cache: stored" not in second["log"] and len(_entries(folder)) == 1  # nothing written on a hit
+
+
+@pytest.mark.slow
+def test_geared_entry_loaded_falls_back_to_torch_compile(tmp_path: Path) -> None:
+    """torch 2.13's serialised guards reject tensors marked by set_dim_gears: a loaded
+    geared entry is not run unguarded; the call goes through torch.compile instead, with
+    a warning, and gives the same output."""
+    folder = tmp_path / "g"
+    folder.mkdir(mode=0o700)
+    first = _worker(folder, "--gears", "1,2,4")
+    assert first["cache"] == ["stored"]
+    second = _worker(folder, "--gears", "1,2,4")
+    assert second["cache"][0] == "hit" and "" in second["cache"]
+    assert "reject this call" in second["log"] and second["sha"] == first["sha"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra, part", [(("--mode", "max-autotune"), "config"),
+                                         (("--gears", "1,2,4"), "gears"),
+                                         (("--layers", "1"), "module"),
+                                         (("--batch", "3", "--gears", "3,5"), "gears, inputs")])
+def test_key_part_change_is_a_miss_naming_the_part(stored: tuple[Path, dict[str, Any]], tmp_path: Path,
+                                                   extra: tuple[str, ...], part: str) -> None:
+    folder, _ = stored
+    copy = tmp_path / "c"
+    copy.mkdir(mode=0o700)
+    for e in _entries(folder):
+        (copy / e.name).write_bytes(e.read_bytes())
+        os.chmod(copy / e.name, 0o600)
+    out = _worker(copy, *extra)
+    assert out["cache"] == ["stored"]
+    assert f"differ from the nearest entry: {part}" in out["log"], out["log"][-2000:]
+
+
+def _refusal(stored: tuple[Path, dict[str, Any]], tmp_path: Path, spoil: Any, reason: str) -> None:
+    folder, first = stored
+    copy = tmp_path / "c"
+    copy.mkdir(mode=0o700)
+    (entry,) = _entries(folder)
+    target = copy / entry.name
+    target.write_bytes(entry.read_bytes())
+    os.chmod(target, 0o600)
+    spoil(target)
+    out = _worker(copy)
+    assert f"refusing {target}: " in out["log"] and reason in out["log"], out["log"][-2000:]
+    assert out["cache"] == ["stored"] and out["sha"] == first["sha"]  # recompiled, same output
+
+
+def _corrupt(p: Path) -> None:
+    data = bytearray(p.read_bytes())
+    data[-100] ^= 0xFF
+    p.write_bytes(bytes(data))
+
+
+def _other_version(p: Path) -> None:
+    data = p.read_bytes()
+    p.write_bytes(data.replace(b'"torch": "' + torch.__version__.encode(), b'"torch": "0.0.1', 1))
+
+
+def _symlink(p: Path) -> None:
+    real = p.parent.parent / "elsewhere.ggc"
+    os.replace(p, real)
+    p.symlink_to(real)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spoil, reason", [
+    (lambda p: os.chmod(p, 0o644), "its mode is 0644, not 0600"),
+    (lambda p: os.chown(p, 12345, 12345), "owned by uid 12345"),
+    (_symlink, "symlink inside the cache folder"),
+    (_corrupt, "checksum does not match"),
+    (_other_version, "key parts differ (torch)"),
+], ids=["mode0644", "chown", "symlink", "checksum", "version"])
+def test_loader_refuses_and_recompiles(stored: tuple[Path, dict[str, Any]], tmp_path: Path, spoil: Any,
+                                       reason: str) -> None:
+    if "uid" in reason and os.getuid() != 0:
+        pytest.skip("chown to another user needs root")
+    _refusal(stored, tmp_path, spoil, reason)
+
+
+def test_unsafe_folder_is_not_used(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    folder = tmp_path / "open"
+    folder.mkdir()
+    os.chmod(folder, 0o777)
+    link = tmp_path / "link"
+    link.symlink_to(folder)  # judged by what it resolves to
+    fn = graphgear.inference.cache_compile(lambda x: x * 2 + 1, cache_dir=str(link))
+    with caplog.at_level(logging.WARNING, logger="graphgear.cache"):
+        out = fn(torch.ones(3))
+    assert torch.equal(out, torch.full((3,), 3.0))
+    assert "writable by group or others" in caplog.text and str(link) in caplog.text
+    assert not list(folder.iterdir())
+    os.chmod(folder, 0o700)
+    assert gcache.folder_unsafe_reason(str(link)) is None
+
+
+def test_racing_writers_both_succeed_and_entry_is_whole(tmp_path: Path) -> None:
+    import threading
+
+    folder = tmp_path / "race"
+    folder.mkdir(mode=0o700)
+    path = str(folder / "f-x.ggc")
+    payloads = [bytes([i]) * 200_000 for i in range(2)]
+    errors: list[BaseException] = []
+
+    def write(i: int) -> None:
+        try:
+            for _ in range(20):
+                gcache._write_entry(path, "f", "k", {"a": "b"}, payloads[i])
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    header, payload = gcache._read_trusted(path)
+    assert payload in payloads and header["key"] == "k"
+    assert [p.name for p in folder.iterdir() if p.name.startswith(".tmp-")] == []
+
+
+@pytest.mark.slow
+def test_two_processes_race_both_succeed(tmp_path: Path) -> None:
+    folder = tmp_path / "r"
+    folder.mkdir(mode=0o700)
+    env = dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}{os.pathsep}{ROOT}")
+    procs = [subprocess.Popen([sys.executable, str(WORKER), "--cache-dir", str(folder), "--layers", "1"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs[0][1][-2000:]
+    shas = {json.loads(o.splitlines()[-1][len("RESULT "):])["sha"] for o, _ in outs}
+    assert len(shas) == 1 and len(_entries(folder)) == 1
+    assert _worker(folder, "--layers", "1")["cache"] == ["hit"]
+
+
+@pytest.mark.slow
+def test_rank_gets_its_own_subfolder(tmp_path: Path) -> None:
+    folder = tmp_path / "ranks"
+    folder.mkdir(mode=0o700)
+    out = _worker(folder, "--layers", "1", "--rank", "1")
+    assert out["cache"] == ["stored"]
+    assert [e.parent.name for e in _entries(folder)] == ["rank1"]
+    assert _worker(folder, "--layers", "1", "--rank", "0")["cache"] == ["stored"]
+    assert _worker(folder, "--layers", "1", "--rank", "1")["cache"] == ["hit"]
+
+
+def test_plain_function_in_process_hit_and_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = tmp_path / "fn"
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x) * 3
+
+    x = torch.randn(4, 4)
+    a = graphgear.inference.cache_compile(f, cache_dir=str(folder))
+    with torch.no_grad():  # entries are inference graphs (a grad-mode call falls back)
+        assert torch.equal(a(x), f(x))
+        assert graphgear.stats().graphs[-1].cache == "stored"
+        assert oct(os.stat(folder).st_mode & 0o777) == "0o700"
+        (entry,) = _entries(folder)
+        assert oct(os.stat(entry).st_mode & 0o777) == "0o600"
+        a(x)  # a second call writes nothing
+        assert entry.stat().st_mtime_ns == _entries(folder)[0].stat().st_mtime_ns
+        b = graphgear.inference.cache_compile(f, cache_dir=str(folder))  # as a new process would
+        assert torch.equal(b(x), f(x)) and graphgear.stats().graphs[-1].cache == "hit"
+    y = x.clone().requires_grad_()  # guards hold: grad mode on does not run the no-grad entry
+    b(y).sum().backward()
+    assert torch.equal(y.grad, 3 * (x > 0).float())
+    assert cli_main(["cache", "ls", str(folder)]) == 0
+    assert "2 entries" in capsys.readouterr().out  # one more for the requires_grad input spec
+    assert cli_main(["cache", "clear", str(folder)]) == 0
+    assert _entries(folder) == []
