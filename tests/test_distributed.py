@@ -1,0 +1,216 @@
+"""Collectives inside compiled and captured graphs, on torch.distributed (issue 13).
+
+Every test starts 2 ranks with gloo on CPU (``torch.multiprocessing``'s spawn context,
+127.0.0.1, a free port). Each rank runs a worker function of this module, compares its
+results with eager PyTorch itself and writes what happened (a value, or the exception's
+type, message, traceback and when it was raised) to a file the test reads. Every test is
+bounded twice: the process group's timeout (``PG_TIMEOUT``, lower in the failure tests)
+and a wall-clock limit on the processes, which are killed past it (the test then fails
+saying which rank hung).
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import os
+import pickle
+import socket
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import graphgear
+from graphgear.toy_decoder import DecoderConfig, ToyDecoder, apply_rotary
+
+pytestmark = pytest.mark.distributed
+
+WORLD = 2
+PG_TIMEOUT = 30.0  # seconds: a collective that waits longer raises
+
+
+# ------------------------------------------------------------------ the launcher
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _entry(fn: Callable[..., Any], rank: int, port: int, out: str, pg_timeout: float, args: tuple) -> None:
+    from graphgear.cachedir import use_private_inductor_cache
+
+    use_private_inductor_cache()  # the tests' shared Inductor cache (conftest is not run here)
+    warnings.filterwarnings("ignore", category=FutureWarning)  # all_gather_tensor's deprecation
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=pg_timeout))
+    t0 = time.monotonic()
+    try:
+        result: dict[str, Any] = {"ok": True, "value": fn(rank, *args)}
+    except BaseException as e:  # reported to the test, which decides
+        result = {"ok": False, "type": type(e).__name__, "msg": str(e), "tb": traceback.format_exc()}
+    result["seconds"] = time.monotonic() - t0
+    tmp = Path(out) / f".rank{rank}.tmp"
+    tmp.write_bytes(pickle.dumps(result))
+    tmp.rename(Path(out) / f"rank{rank}.pkl")
+    # a failed rank leaves at once: its peers must notice on their own, within the timeout
+    if result["ok"]:
+        dist.destroy_process_group()
+    os._exit(0)
+
+
+def run_ranks(fn: Callable[..., Any], tmp_path: Path, *args: Any, limit: float = 120.0,
+              pg_timeout: float = PG_TIMEOUT) -> list[dict[str, Any]]:
+    """Run ``fn(rank, *args)`` on 2 gloo ranks; return each rank's result dict. Kills the
+    ranks and fails the test when one is still running after ``limit`` seconds."""
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=_entry, args=(fn, r, port, str(tmp_path), pg_timeout, args), daemon=True)
+             for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + limit
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+    if hung:
+        pytest.fail(f"ranks {hung} still running after {limit:.0f} s (a hang): killed")
+    results = []
+    for r, p in enumerate(procs):
+        f = tmp_path / f"rank{r}.pkl"
+        if not f.exists():
+            pytest.fail(f"rank {r} exited with code {p.exitcode} and wrote no result")
+        results.append(pickle.loads(f.read_bytes()))
+    return results
+
+
+def assert_all_ok(results: list[dict[str, Any]]) -> list[Any]:
+    for r, res in enumerate(results):
+        assert res["ok"], f"rank {r} raised {res['type']}: {res['msg']}\n{res['tb']}"
+    return [res["value"] for res in results]
+
+
+def _options(mode: str) -> dict[str, Any]:
+    if mode == "eager":
+        return {"debug.run_eagerly": True}
+    return {"mode": mode}
+
+
+MODES = ["max-autotune", "reduce-overhead", "eager"]
+
+
+# ------------------------------------------------ 1. collectives inside one graph
+
+
+def _collectives(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    import torch.distributed._functional_collectives as fc
+
+    g = dist.group.WORLD
+    a = fc.all_reduce(x * 2, "sum", g)
+    b = fc.all_gather_tensor(x + 1, 0, g)
+    c = fc.reduce_scatter_tensor(torch.cat([x, x * 3]), "sum", 0, g)
+    d = fc.all_to_all_single(x.sin(), None, None, g)
+    e = fc.broadcast(x - 1, 1, g)
+    z = x.cos() + a
+    dist.all_reduce(z)  # in-place c10d call: dynamo traces it into the functional one
+    dist.all_reduce(y, op=dist.ReduceOp.MAX)  # in place on an input
+    return a, b, c, d, e, z * 2
+
+
+def _worker_collectives(rank: int) -> dict[str, int]:
+    counts = {}
+    for mode in MODES:
+        graphgear.reset()
+        torch._dynamo.reset()
+        f = torch.compile(_collectives, backend="graphgear", options=_options(mode), fullgraph=True)
+        for step in range(5):  # new values each step: a replay must run the collectives again
+            x = torch.randn(4, 3) + rank * 10 + step
+            y = torch.randn(4, 3) * (rank + 1)
+            y_c = y.clone()
+            want = _collectives(x, y)
+            got = [t.clone() for t in f(x, y_c)]
+            for i, (g, w) in enumerate(zip(got, want)):
+                torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-5,
+                                           msg=lambda m, i=i, s=step: f"{mode} step {s} output {i}: {m}")
+            torch.testing.assert_close(y_c, y, rtol=0, atol=0, msg=lambda m, s=step: f"{mode} {s} input y: {m}")
+        rec = graphgear.stats().graphs
+        assert len(rec) == 1, f"{mode}: {len(rec)} graphs, expected 1 (a graph break?)"
+        if mode == "reduce-overhead":
+            assert (rec[0].captures, rec[0].replays, rec[0].fallbacks) == (1, 3, []), graphgear.stats()
+        counts[mode] = rec[0].compiles
+    return counts
+
+
+def test_collectives_inside_one_graph_equal_eager(tmp_path: Path) -> None:
+    counts = assert_all_ok(run_ranks(_worker_collectives, tmp_path))
+    assert counts[0] == counts[1] == {m: 1 for m in MODES}
+
+
+# ------------------------------------------------------- 2. gears across ranks
+
+
+def _allreduce_mlp(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    import torch.distributed._functional_collectives as fc
+
+    return fc.all_reduce(torch.relu(x @ w), "sum", dist.group.WORLD) + 1
+
+
+def _worker_gears(rank: int, mode: str, bad_rank: int) -> dict[str, Any]:
+    w = torch.randn(8, 8)
+    f = torch.compile(_allreduce_mlp, backend="graphgear", options=_options(mode))
+    for n in (2, 4, 2):  # every rank, the same gears: equal eager
+        x = torch.randn(n, 8) + rank
+        graphgear.set_dim_gears(x, {0: [2, 4]})
+        torch.testing.assert_close(f(x, w).clone(), _allreduce_mlp(x, w))
+    pg = dist.distributed_c10d._get_default_group()
+    before = pg._get_sequence_number_for_group()
+    dist.barrier()
+    seq = pg._get_sequence_number_for_group()
+    assert seq == before + 1, "gloo's sequence number does not count collectives"
+    n = 3 if rank == bad_rank else 2
+    x = torch.randn(n, 8)
+    graphgear.set_dim_gears(x, {0: [2, 4]}) if n in (2, 4) else None
+    t0 = time.monotonic()
+    try:
+        f(x, w)
+    except graphgear.GearError as e:
+        issued = pg._get_sequence_number_for_group() - seq
+        # stay alive (as a server that caught the error would): the peer must time out
+        time.sleep(PG_FAIL_TIMEOUT + 3)
+        return {"raised": "GearError", "msg": str(e), "issued": issued}
+    except Exception as e:  # the healthy rank: its all-reduce has no partner
+        return {"raised": type(e).__name__, "msg": str(e), "seconds": time.monotonic() - t0}
+    return {"raised": None, "seconds": time.monotonic() - t0}
+
+
+PG_FAIL_TIMEOUT = 5.0
+
+
+@pytest.mark.parametrize("mode", ["max-autotune", "reduce-overhead"])
+def test_rank_outside_gears_raises_before_any_collective(tmp_path: Path, mode: str) -> None:
+    results = run_ranks(_worker_gears, tmp_path, mode, 1, pg_timeout=PG_FAIL_TIMEOUT, limit=90)
+    good, bad = assert_all_ok(results)
+    assert bad["raised"] == "GearError", bad
+    assert "3" in bad["msg"] and "[2, 4]" in bad["msg"], bad["msg"]
+    assert bad["issued"] == 0, f"the failing call issued {bad['issued']} collective(s)"
+    # the healthy rank waits in its all-reduce and gets the process group's timeout, not a hang
+    assert good["raised"] in ("RuntimeError", "DistBackendError"), good
+    assert "timed out" in good["msg"].lower() or "timeout" in good["msg"].lower(), good["msg"]
+    assert PG_FAIL_TIMEOUT - 1 < good["seconds"] < PG_FAIL_TIMEOUT + 10, good["seconds"]
