@@ -148,8 +148,8 @@ def _worker_collectives(rank: int) -> dict[str, int]:
             got = [t.clone() for t in f(x, y_c)]
             for i, (g, w) in enumerate(zip(got, want)):
                 torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-5,
-                                           msg=lambda m, i=i, s=step: f"{mode} step {s} output {i}: {m}")
-            torch.testing.assert_close(y_c, y, rtol=0, atol=0, msg=lambda m, s=step: f"{mode} {s} input y: {m}")
+                                           msg=lambda m, i=i, s=step, md=mode: f"{md} step {s} output {i}: {m}")
+            torch.testing.assert_close(y_c, y, rtol=0, atol=0, msg=lambda m, s=step, md=mode: f"{md} step {s} input y: {m}")
         rec = graphgear.stats().graphs
         assert len(rec) == 1, f"{mode}: {len(rec)} graphs, expected 1 (a graph break?)"
         if mode == "reduce-overhead":
@@ -214,3 +214,184 @@ def test_rank_outside_gears_raises_before_any_collective(tmp_path: Path, mode: s
     assert good["raised"] in ("RuntimeError", "DistBackendError"), good
     assert "timed out" in good["msg"].lower() or "timeout" in good["msg"].lower(), good["msg"]
     assert PG_FAIL_TIMEOUT - 1 < good["seconds"] < PG_FAIL_TIMEOUT + 10, good["seconds"]
+
+
+# ----------------------------------------- 3. tensor-parallel decoder over 2 ranks
+
+
+class TPAttention(nn.Module):
+    """Megatron-style attention on ``world`` ranks: this rank's heads (column-parallel
+    q/k/v, a slice of the KV cache), a row-parallel out projection, then an all-reduce
+    (the functional one)."""
+
+    def __init__(self, full: nn.Module, rank: int, world: int) -> None:
+        super().__init__()
+        self.num_heads = full.num_heads // world
+        self.head_dim = full.head_dim
+        cols = slice(rank * self.num_heads * self.head_dim, (rank + 1) * self.num_heads * self.head_dim)
+        heads = slice(rank * self.num_heads, (rank + 1) * self.num_heads)
+        for name in ("q_proj", "k_proj", "v_proj"):
+            setattr(self, name, _linear(getattr(full, name).weight[cols]))
+        self.o_proj = _linear(full.o_proj.weight[:, cols])
+        self.register_buffer("k_cache", full.k_cache[:, heads].clone(), persistent=False)
+        self.register_buffer("v_cache", full.v_cache[:, heads].clone(), persistent=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                mask: torch.Tensor) -> torch.Tensor:
+        import torch.distributed._functional_collectives as fc
+
+        bsz, seq, _ = x.shape
+        q = self.q_proj(x).view(bsz, seq, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(bsz, seq, self.num_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(bsz, seq, self.num_heads, self.head_dim).transpose(1, 2)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        k_cache = self.k_cache[:bsz]
+        v_cache = self.v_cache[:bsz]
+        k_cache.index_copy_(2, positions, k)
+        v_cache.index_copy_(2, positions, v)
+        scores = torch.matmul(q, k_cache.transpose(2, 3)) / self.head_dim ** 0.5
+        probs = torch.softmax((scores + mask).float(), dim=-1).to(q.dtype)
+        out = torch.matmul(probs, v_cache).transpose(1, 2).reshape(bsz, seq, -1)
+        return fc.all_reduce(self.o_proj(out), "sum", dist.group.WORLD)
+
+
+class TPMLP(nn.Module):
+    """Column-parallel gate/up, row-parallel down, then the in-place c10d all-reduce
+    (dynamo traces it into the functional one)."""
+
+    def __init__(self, full: nn.Module, rank: int, world: int) -> None:
+        super().__init__()
+        n = full.up_proj.weight.shape[0] // world
+        cols = slice(rank * n, (rank + 1) * n)
+        self.gate_proj = _linear(full.gate_proj.weight[cols])
+        self.up_proj = _linear(full.up_proj.weight[cols])
+        self.down_proj = _linear(full.down_proj.weight[:, cols])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        dist.all_reduce(out)
+        return out
+
+
+def _linear(weight: torch.Tensor) -> nn.Linear:
+    lin = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(weight)
+    return lin
+
+
+def tensor_parallel(model: ToyDecoder, rank: int, world: int) -> ToyDecoder:
+    """A copy of ``model`` with each layer's attention and MLP split over ``world`` ranks;
+    embeddings, norms and the LM head stay whole (replicated)."""
+    tp = copy.deepcopy(model)
+    for layer, full in zip(tp.layers, model.layers):
+        layer.attn = TPAttention(full.attn, rank, world)
+        layer.mlp = TPMLP(full.mlp, rank, world)
+    return tp
+
+
+def _worker_tp_decode(rank: int, mode: str) -> dict[str, Any]:
+    cfg = DecoderConfig(max_batch_size=4, max_seq_len=32)
+    ref = ToyDecoder(cfg).eval()  # the same seed on every rank: the same weights
+    tp = tensor_parallel(ref, rank, WORLD).eval()
+    f = torch.compile(tp, backend="graphgear", options=_options(mode))
+    gen = torch.Generator().manual_seed(1)  # the same tokens on every rank
+    pos, worst = 0, 0.0
+    with torch.no_grad():
+        for bsz in (1, 2, 4, 2, 1):
+            for _ in range(3):
+                tokens = torch.randint(0, cfg.vocab_size, (bsz, 1), generator=gen)
+                positions = torch.tensor([pos])
+                want = ref(tokens, positions)
+                graphgear.set_dim_gears(tokens, {0: [1, 2, 4]})
+                got = f(tokens, positions).clone()
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5,
+                                           msg=lambda m, b=bsz, p=pos: f"batch {b} position {p}: {m}")
+                worst = max(worst, float((got - want).abs().max()))
+                pos += 1
+    for name, buf in ref.named_buffers():  # the caches: this rank's heads of the 1-rank ones
+        if name.endswith("_cache"):
+            heads = buf.shape[1] // WORLD
+            torch.testing.assert_close(tp.get_buffer(name), buf[:, rank * heads:(rank + 1) * heads],
+                                       rtol=1e-5, atol=1e-5)
+    recs = graphgear.stats().graphs
+    return {"graphs": len(recs), "captures": sum(r.captures for r in recs),
+            "replays": sum(r.replays for r in recs), "fallbacks": [f for r in recs for f in r.fallbacks],
+            "gears": [r.gears for r in recs], "worst": worst}
+
+
+@pytest.mark.parametrize("mode", ["reduce-overhead"])
+def test_tensor_parallel_decoder_equals_one_rank_eager(tmp_path: Path, mode: str) -> None:
+    values = assert_all_ok(run_ranks(_worker_tp_decode, tmp_path, mode, limit=180))
+    for v in values:
+        assert v["fallbacks"] == [], v
+        assert v["graphs"] == 1, v
+        assert v["captures"] == 3, v  # one per gear
+        assert v["replays"] == 15 - 3 - 3, v  # every call but a warm-up and a capture per gear
+
+
+# ------------------------------------------------------------------ 4. DDP training
+
+
+class DDPNet(nn.Module):
+    """A model class of the user's (dynamo skips frames of torch's own ``nn.Sequential``,
+    which DDP's forward calls after its graph break in ``_pre_forward``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2, self.l3, self.l4 = (nn.Linear(16, 512), nn.Linear(512, 512), nn.Linear(512, 512),
+                                              nn.Linear(512, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l4(torch.relu(self.l3(torch.tanh(self.l2(torch.relu(self.l1(x)))))))
+
+
+def _worker_ddp(rank: int, mode: str) -> dict[str, Any]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from tests.helpers import assert_close
+
+    torch._dynamo.config.optimize_ddp = "ddp_optimizer"  # graphs split at bucket boundaries
+    ref = DDPNet()  # the same seed on every rank: the same weights
+    # 1 MB buckets (the DDP optimizer wants them no smaller than DDP's first bucket, 1 MB):
+    # a 512x512 layer each, so the graph splits into several
+    ddp = DDP(copy.deepcopy(ref), bucket_cap_mb=1)
+    f = torch.compile(ddp, backend="graphgear", options=_options(mode))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(2)
+    local = slice(rank * 4, (rank + 1) * 4)
+    for step in range(3):
+        x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)  # the global batch
+        loss = nn.functional.mse_loss(f(x[local]), y[local])
+        loss.backward()
+        ref_loss = nn.functional.mse_loss(ref(x), y)
+        ref_loss.backward()
+        global_loss = loss.detach().clone()
+        dist.all_reduce(global_loss)
+        assert_close(global_loss / WORLD, ref_loss, reduction=512, what=f"step {step} loss")
+        for (name, p), (_, q) in zip(ddp.module.named_parameters(), ref.named_parameters()):
+            assert p.grad is not None, f"step {step}: no gradient for {name}"
+            assert_close(p.grad, q.grad, reduction=4096, what=f"step {step} grad of {name}")
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad(set_to_none=True)
+        ref_opt.zero_grad(set_to_none=True)
+    recs = graphgear.stats().graphs
+    return {"stages": [r.stage for r in recs], "fallbacks": [f for r in recs for f in r.fallbacks],
+            "captures": sum(r.captures for r in recs), "replays": sum(r.replays for r in recs)}
+
+
+@pytest.mark.parametrize("mode", ["max-autotune", "reduce-overhead"])
+def test_ddp_training_equals_single_process_eager(tmp_path: Path, mode: str) -> None:
+    values = assert_all_ok(run_ranks(_worker_ddp, tmp_path, mode, limit=150))
+    for v in values:
+        assert v["fallbacks"] == [], v
+        # the DDP optimizer split the model: several forward graphs, each with its backward
+        assert v["stages"].count("forward") >= 2, v
+        assert v["stages"].count("backward") == v["stages"].count("forward"), v
+        if mode == "reduce-overhead":
+            assert v["captures"] == len(v["stages"]), v  # every graph captured once...
+            assert v["replays"] == len(v["stages"]), v  # ...and replayed at step 3
+    assert values[0] == values[1]
