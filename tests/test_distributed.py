@@ -73,9 +73,10 @@ def _entry(fn: Callable[..., Any], rank: int, port: int, out: str, pg_timeout: f
 
 
 def run_ranks(fn: Callable[..., Any], tmp_path: Path, *args: Any, limit: float = 120.0,
-              pg_timeout: float = PG_TIMEOUT) -> list[dict[str, Any]]:
-    """Run ``fn(rank, *args)`` on 2 gloo ranks; return each rank's result dict. Kills the
-    ranks and fails the test when one is still running after ``limit`` seconds."""
+              pg_timeout: float = PG_TIMEOUT, may_die: tuple[int, ...] = ()) -> list[dict[str, Any]]:
+    """Run ``fn(rank, *args)`` on 2 gloo ranks; return each rank's result dict (``{"ok":
+    False, "exitcode": ...}`` for a rank in ``may_die`` that wrote none). Kills the ranks
+    and fails the test when one is still running after ``limit`` seconds."""
     ctx = mp.get_context("spawn")
     port = _free_port()
     procs = [ctx.Process(target=_entry, args=(fn, r, port, str(tmp_path), pg_timeout, args), daemon=True)
@@ -95,6 +96,9 @@ def run_ranks(fn: Callable[..., Any], tmp_path: Path, *args: Any, limit: float =
     results = []
     for r, p in enumerate(procs):
         f = tmp_path / f"rank{r}.pkl"
+        if not f.exists() and r in may_die:
+            results.append({"ok": False, "exitcode": p.exitcode})
+            continue
         if not f.exists():
             pytest.fail(f"rank {r} exited with code {p.exitcode} and wrote no result")
         results.append(pickle.loads(f.read_bytes()))
@@ -395,3 +399,81 @@ def test_ddp_training_equals_single_process_eager(tmp_path: Path, mode: str) -> 
             assert v["captures"] == len(v["stages"]), v  # every graph captured once...
             assert v["replays"] == len(v["stages"]), v  # ...and replayed at step 3
     assert values[0] == values[1]
+
+
+# ------------------------------------------------------- 5. a rank that dies mid-run
+
+
+def _worker_dies(rank: int, mode: str, die_at: int) -> dict[str, Any]:
+    w = torch.randn(8, 8)
+    f = torch.compile(_allreduce_mlp, backend="graphgear", options=_options(mode))
+    for step in range(5):
+        x = torch.randn(2, 8) + step
+        if rank == 1 and step == die_at:
+            os._exit(3)  # killed: no clean-up, no goodbye to the peer
+        t0 = time.monotonic()
+        try:
+            got = f(x, w).clone()
+        except Exception as e:
+            return {"step": step, "raised": type(e).__name__, "msg": str(e), "seconds": time.monotonic() - t0}
+        torch.testing.assert_close(got, _allreduce_mlp(x, w))
+    return {"step": None}
+
+
+@pytest.mark.parametrize(("mode", "die_at"), [("reduce-overhead", 1), ("reduce-overhead", 3),
+                                              ("max-autotune", 2)],
+                         ids=["at-capture", "at-replay", "max-autotune"])
+def test_dead_rank_fails_the_other_within_the_timeout(tmp_path: Path, mode: str, die_at: int) -> None:
+    results = run_ranks(_worker_dies, tmp_path, mode, die_at, pg_timeout=PG_FAIL_TIMEOUT, limit=90,
+                        may_die=(1,))
+    assert results[1] == {"ok": False, "exitcode": 3}, results[1]
+    (alive,) = assert_all_ok(results[:1])
+    assert alive["step"] == die_at, alive
+    assert alive["raised"] in ("RuntimeError", "DistBackendError"), alive
+    # gloo notices the closed connection at once, else the timeout fires
+    assert any(w in alive["msg"].lower() for w in ("connection", "closed", "timed out", "timeout", "peer")), alive
+    assert alive["seconds"] < PG_FAIL_TIMEOUT + 10, alive
+
+
+def _worker_capture_fails(rank: int) -> dict[str, Any]:
+    from graphgear.capture import cpu_graph
+
+    original = cpu_graph.CPUGraph.capture
+    failed = []
+
+    def fails_once_after_running(self: Any, args: list[Any]) -> Any:
+        outs = original(self, args)  # the collective has been issued
+        if rank == 1 and not failed:
+            failed.append(True)
+            raise RuntimeError("capture failed on rank 1 only (simulated)")
+        return outs
+
+    cpu_graph.CPUGraph.capture = fails_once_after_running  # type: ignore[method-assign]
+    w = torch.randn(8, 8)
+    f = torch.compile(_allreduce_mlp, backend="graphgear", options=_options("reduce-overhead"))
+    errors = []
+    for step in range(5):
+        x = torch.randn(2, 8) + step
+        want = _allreduce_mlp(x, w)  # eager, on every rank at every step
+        try:
+            got = f(x, w).clone()
+        except RuntimeError as e:
+            errors.append((step, str(e)))
+            continue
+        torch.testing.assert_close(got, want, msg=lambda m, s=step: f"step {s}: {m}")
+    seq = dist.distributed_c10d._get_default_group()._get_sequence_number_for_group()
+    (rec,) = graphgear.stats().graphs
+    return {"errors": errors, "seq": seq, "captures": rec.captures, "replays": rec.replays}
+
+
+def test_failed_capture_never_issues_a_collective_twice(tmp_path: Path) -> None:
+    """The CPU graph's capture runs the graph (and its collectives). If it then fails on
+    one rank, running the graph again uncaptured (the usual fallback) would issue that
+    rank's collectives twice: the ranks would fall out of step. The error reaches the
+    caller instead, and the next call captures again."""
+    r0, r1 = assert_all_ok(run_ranks(_worker_capture_fails, tmp_path, pg_timeout=PG_FAIL_TIMEOUT, limit=90))
+    assert r0["errors"] == [], r0
+    assert r1["errors"] == [(1, "capture failed on rank 1 only (simulated)")], r1
+    assert r0["seq"] == r1["seq"], (r0, r1)  # as many collectives on both ranks
+    assert (r0["captures"], r0["replays"]) == (1, 3), r0
+    assert (r1["captures"], r1["replays"]) == (1, 2), r1  # captured again at step 2
