@@ -207,6 +207,7 @@ def _worker_gears(rank: int, mode: str, bad_rank: int) -> dict[str, Any]:
 PG_FAIL_TIMEOUT = 5.0
 
 
+@pytest.mark.slow  # waits out the process-group timeout
 @pytest.mark.parametrize("mode", ["max-autotune", "reduce-overhead"])
 def test_rank_outside_gears_raises_before_any_collective(tmp_path: Path, mode: str) -> None:
     results = run_ranks(_worker_gears, tmp_path, mode, 1, pg_timeout=PG_FAIL_TIMEOUT, limit=90)
