@@ -302,8 +302,18 @@ def aot_module_simplified(gm: torch.fx.GraphModule, example_inputs: Sequence[Any
     arguments this torch's version does not take (logged at debug level).
 
     Checked on 2.13; it is what ``torch._dynamo.backends.common.aot_autograd`` calls in
-    2.13 (2.11 to 2.14). If it moved, no graphgear backend could compile."""
+    2.13 (2.11 to 2.14). If it moved, no graphgear backend could compile.
+
+    Like that helper, it counts the call in ``torch._dynamo.utils.counters["aot_autograd"]
+    ["total"]`` (2.11 to 2.14): dynamo's DDP optimizer (``_dynamo/backends/distributed.py``)
+    compiles each bucket's submodule with the backend under ``fakify_first_call``, where
+    AOTAutograd's compiled function returns fake outputs on its first call, and it makes
+    that first call itself only when the count moved. Without it the DDP optimizer skips
+    that call and the user's first real step receives the fake tensors."""
+    from torch._dynamo.utils import counters
     from torch._functorch.aot_autograd import aot_module_simplified as aot
+
+    counters["aot_autograd"]["total"] += 1
 
     params = inspect.signature(aot).parameters
     dropped = [k for k in kwargs if k not in params]

@@ -61,7 +61,7 @@ from .cpu_graph import CPUExecutor, CPUGraph, StaticCompiler, nbytes_of
 from .cuda_graph import CUDAGraph, cuda_executor
 from .npu_graph import NPUGraph, npu_available, npu_executor
 from .pool import MemoryPool
-from .rules import warn
+from .rules import find_collectives, warn
 
 if TYPE_CHECKING:
     from ..context import CompileContext
@@ -169,6 +169,7 @@ class CaptureEngine:
         self.key_idx = [] if ctx.config.experimental_config.frozen_parameter else self.static_idx
         self.scalar_idx = [i for i in range(n) if i not in tensors]
         self.rebindable = device.type == "cpu"
+        self.collectives = find_collectives(gm)
         self.clone_output = cc.clone_output or ctx.stage in ("forward", "backward")
         self.entries: dict[tuple[Any, ...], _Entry] = {}
         self._executor: Any = None
@@ -373,7 +374,7 @@ class CaptureEngine:
                 self.group.captures -= 1
             for i, saved in snapshot.items():  # undo what the failed run wrote
                 args[i].copy_(saved)
-            return self._capture_failed(e, args, ex)
+            return self._capture_failed(e, args, ex, ran=graph.runs_at_capture)
         self.pool.add_bytes(nbytes)
         e.graph = graph
         if not self.rebindable:
@@ -393,11 +394,17 @@ class CaptureEngine:
                  self.ctx.stage, self.device, graph.nbytes + nbytes)
         return self._hand_out(e, outs)
 
-    def _capture_failed(self, e: _Entry, args: list[Any], ex: Exception) -> list[Any]:
+    def _capture_failed(self, e: _Entry, args: list[Any], ex: Exception, *, ran: bool) -> list[Any]:
         """The inputs are as the caller passed them. ``fallback='raise'`` raises; else
         the graph runs once uncaptured: if that raises too, the error is the graph's own
         and reaches the caller (the next call tries to capture again); if not, this key
-        runs uncaptured from now on."""
+        runs uncaptured from now on.
+
+        A graph with collectives whose failed capture ran (``ran``: the CPU graph's
+        capture runs the graph) is not run again: its collectives may have been issued
+        already, and issuing them twice would put this rank out of step with the others
+        (a hang or wrong sums). Its error reaches the caller as it is; the next call
+        tries to capture again."""
         reason = f"capture failed: {type(ex).__name__}: {ex}"
         if self.cc.fallback == "raise":
             self.record.add_fallback("capture", reason)
@@ -407,6 +414,12 @@ class CaptureEngine:
                 f"capture_config.fallback='raise' forbids running it uncaptured; set "
                 f"fallback='eager' to run it uncaptured."
             ) from ex
+        if ran and self.collectives:
+            log.warning("graphgear: capture of %s (%s) failed after running its collectives (%s): "
+                        "%s; not run again uncaptured (that would issue them twice on this rank "
+                        "only); the error reaches the caller.", self.record.name, self.ctx.stage,
+                        ", ".join(self.collectives), reason)
+            raise ex
         self.record.uncaptured_runs += 1
         outs = list(self.gm(*args))  # raises the graph's own error, once
         self.record.add_fallback("capture", reason)

@@ -20,7 +20,8 @@ from ..debug import op_key
 
 log = logging.getLogger(__name__)
 
-__all__ = ["UNCAPTURABLE", "find_uncapturable", "graph_device", "warn"]
+__all__ = ["COLLECTIVE_NAMESPACES", "UNCAPTURABLE", "find_collectives", "find_uncapturable", "graph_device",
+           "warn"]
 
 #: ops a device graph cannot replay faithfully, with the reason (``stats()`` shows it)
 UNCAPTURABLE = {
@@ -42,6 +43,18 @@ UNCAPTURABLE = {
     "aten.normal": "random numbers: replay would repeat the captured draw",
     "aten.multinomial": "random numbers: replay would repeat the captured draw",
 }
+
+
+#: op namespaces of the collectives a graph holds: the functional collectives, and the
+#: in-place c10d calls dynamo traces into them (``dist.all_reduce(t)``)
+COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "_c10d_functional_autograd", "c10d"})
+
+
+def find_collectives(gm: fx.GraphModule) -> list[str]:
+    """The distinct collective ops of ``gm`` (sorted): a graph that holds one must run
+    them exactly once per call on every rank, or the ranks fall out of step."""
+    return sorted({op_key(n.target) for n in gm.graph.nodes
+                   if n.op == "call_function" and getattr(n.target, "namespace", None) in COLLECTIVE_NAMESPACES})
 
 
 def graph_device(example_inputs: Sequence[Any]) -> torch.device:
