@@ -36,7 +36,7 @@ def precompiling() -> dict[str, Any] | None:
 class GearedGraph:
     """Run-time dispatch of one AOT graph by graph key.
 
-    ``build(key)`` returns the compiled callable of one key (a static graph in
+    ``build(key)`` returns the compiled boxed callable of one key (a static graph in
     max-autotune and reduce-overhead). With a :class:`GearPlan`, a key outside the
     gears raises :class:`GearError` before any work, or with ``gear_padding`` runs the
     next gear up on zero-padded inputs and slices every output dim of that size back.
@@ -85,12 +85,17 @@ class GearedGraph:
                     self.compiled[key] = fn
         return fn
 
-    def __call__(self, *args: Any) -> Any:
+    #: AOTAutograd's boxed convention: called with one list of inputs, and each key's
+    #: callable (an engine, Inductor's compiled graph) is boxed too, so a replay is one
+    #: call deep below AOTAutograd
+    _boxed_call = True
+
+    def __call__(self, args: list[Any]) -> Any:
         key = self.info.key(args)
         if self.plan is not None and precompiling() is not None:
             self.precompile(args)
         if self.plan is None or self.plan.allowed(key):
-            return self._get(key)(*args)
+            return self._get(key)(args)
         target = self.plan.pad_target(key) if self.padding else None
         if target is None:
             raise self.plan.error(key, self.padding)
@@ -121,7 +126,7 @@ class GearedGraph:
                 p[tuple(slice(0, n) for n in a.shape)] = a
                 new_args[j] = p
                 padded.append(j)
-        out = self._get(target)(*new_args)
+        out = self._get(target)(list(new_args))  # a boxed callee may clear its list
         for j in padded:
             if j in self.mutated:  # write the real rows back into the caller's tensor
                 args[j].copy_(new_args[j][tuple(slice(0, n) for n in args[j].shape)])
@@ -185,7 +190,7 @@ class GearedGraph:
             resized = _resize_args(self.info, args, key)
             with torch.no_grad():
                 for _ in range(self.calls_to_build):
-                    fn(*resized)
+                    fn(list(resized))
             self.warmed.add(key)
             if bar is not None:
                 bar.update(1)

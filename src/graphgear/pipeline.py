@@ -110,14 +110,14 @@ def _compile_by_shape(
         whole = compiler(gm, example_inputs, ctx)
         if plan is None:
             return whole
-        whole_plain = _convention(whole, boxed=False)
-        build: Callable[[tuple[int, ...]], Callable[..., Any]] = lambda key: whole_plain  # noqa: E731
+        whole_boxed = _convention(whole, boxed=True)
+        build: Callable[[tuple[int, ...]], Callable[..., Any]] = lambda key: whole_boxed  # noqa: E731
     else:
 
         def build(key: tuple[int, ...]) -> Callable[..., Any]:
             t0 = time.perf_counter()
             static_gm, static_inputs = specialize(gm, info, key)
-            fn = _convention(compiler(static_gm, static_inputs, ctx), boxed=False)
+            fn = _convention(compiler(static_gm, static_inputs, ctx), boxed=True)
             ctx.record.compiles += 1
             ctx.record.compile_seconds += time.perf_counter() - t0
             log.info("graphgear: %s specialised to key %s", ctx.record.name, key)
