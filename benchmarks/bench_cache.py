@@ -22,6 +22,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from graphgear.cachedir import use_private_inductor_cache
+
+use_private_inductor_cache()  # the worker processes inherit the private Inductor cache
+
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "cache_worker.py"
 GEARS = "1,2,3,4,5,6,8"
