@@ -113,6 +113,7 @@ __all__ = [
     "register_pattern",
     "set_backed_size_oblivious",
     "stable_topological_sort",
+    "without_dim_markings",
     "storage_id",
     "storage_poisoner_builtin",
     "tracing",
@@ -601,3 +602,19 @@ def autograd_cache_off() -> contextlib.AbstractContextManager[Any]:
         force_autograd_cache=False, bundled_autograd_cache=False, strict_autograd_cache=False,
         enable_autograd_cache=False, bypass_autograd_cache_key=False,
     )
+
+
+def without_dim_markings(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself, or, when ``mark_dynamic`` (``set_dim_gears``) marked it, an alias
+    without the markings (``detach``: a new tensor object over the same memory).
+
+    torch 2.13's serialised guards (``aot_compile`` / ``load_compiled_function``) load a
+    guard that says the input had no dim marking at compile time, so a marked tensor
+    fails it ("_has_dynamo_dim_marking is present on runtime tensor but was absent at
+    compile time"), while an unmarked one passes both a freshly compiled and a loaded
+    entry's guards (checked on 2.13). The markings only steer dynamo's trace; a compiled
+    entry's dims are already symbolic and graphgear checks the gears itself. Tensors that
+    require grad are left as they are (their guard then decides)."""
+    if getattr(t, "_has_dynamo_dim_marking", False) and not t.requires_grad:
+        return t.detach()
+    return t

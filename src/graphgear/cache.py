@@ -32,10 +32,12 @@ never sees a half-written entry, and two writers both succeed (the last rename w
 
 **Guards.** Every call of a stored or loaded function checks dynamo's guards first
 (``guard_check``, the same check ``torch.compile`` makes). Where they reject the call (a
-module attribute or global changed; also every call with tensors marked by
-``set_dim_gears``, whose serialised guards torch 2.13 rejects), the function runs through
-plain ``torch.compile`` with graphgear instead, with one warning: correct, but without
-the cache's start-up gain (see README "Compile cache", gaps).
+module attribute or global changed, grad mode on for an inference entry), the function
+runs through plain ``torch.compile`` with graphgear instead, with one warning: correct,
+without the cache's start-up gain. Tensors marked by ``set_dim_gears`` are passed to the
+entry without dynamo's dim markings (``_torch.without_dim_markings``: torch 2.13's
+serialised guards reject marked tensors); the entry's dims are already symbolic and
+graphgear checks the gears itself.
 """
 
 from __future__ import annotations
@@ -65,7 +67,9 @@ from ._torch import (
     autograd_cache_off,
     graph_pickle_dumps,
     graph_pickle_loads,
+    pytree,
     tracing_with,
+    without_dim_markings,
 )
 from .backend import get_backend
 from .cachedir import default_cache_root
@@ -496,6 +500,7 @@ class CachedFunction:
             self._loaded[key] = compiled
         if compiled is self._fallback:
             return compiled(*args, **kwargs)
+        args, kwargs = pytree.tree_map_only(torch.Tensor, without_dim_markings, (args, kwargs))
         call_args = (self.module, *args) if self.module is not None else args
         if not compiled.guard_check(*call_args, **kwargs):
             return self._run_uncached(key, args, kwargs)
