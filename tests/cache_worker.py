@@ -39,7 +39,8 @@ def main() -> None:
     tokens = torch.randint(0, 512, (a.batch, 1))
     positions = torch.tensor([3])
     gears = [int(g) for g in a.gears.split(",") if g]
-    if gears:
+    mark = bool(gears) and not a.torch_default  # torch's default specialises the batch dim
+    if mark:
         graphgear.set_dim_gears(tokens, {0: gears})
     config = graphgear.CompilerConfig()
     config.mode = a.mode
@@ -53,7 +54,7 @@ def main() -> None:
         if a.precompile:
             for g in gears:
                 t = torch.zeros(g, 1, dtype=torch.long)
-                if gears:
+                if mark:
                     graphgear.set_dim_gears(t, {0: gears})
                 fn(t, positions)
             model.reset_cache()
