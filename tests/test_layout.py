@@ -136,6 +136,9 @@ _PRIVATE_TORCH = re.compile(
     r"\btorch(?:\.(?!ops\b)[A-Za-z]\w*)*\._[A-Za-z]"
     r"|\bfrom\s+torch[\w.]*\s+import\s+.*\b_[A-Za-z]"
     r"|\._cdata\b|\"grapharg\"|\bcurrent_callable\b|\b__globals__\b"
+    # private attributes of public torch objects (ops, FX nodes, make_fx options)
+    r"|\._schema\b|\._opname\b|\._overloadname\b|\._qualified_op_name\b|\._erased\b"
+    r"|\b_allow_non_fake_inputs\b"
 )
 
 #: Patterns of private-looking torch names judged public, allowed anywhere. Empty on

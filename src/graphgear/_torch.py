@@ -112,6 +112,12 @@ __all__ = [
     "pytree",
     "register_pattern",
     "set_backed_size_oblivious",
+    "make_fx_allowing_real_inputs",
+    "node_erased",
+    "op_name",
+    "op_overload_name",
+    "op_packet_name",
+    "op_schema",
     "stable_topological_sort",
     "without_dim_markings",
     "storage_id",
@@ -618,3 +624,42 @@ def without_dim_markings(t: torch.Tensor) -> torch.Tensor:
     if getattr(t, "_has_dynamo_dim_marking", False) and not t.requires_grad:
         return t.detach()
     return t
+
+
+# ------------------------------------------------------- private attributes of public objects
+
+
+def op_schema(op: OpOverload) -> Any:
+    """``op._schema`` (its ``FunctionSchema``: arguments, alias info). Checked on 2.13;
+    used by torch's own ``torch._library``/functionalization. Without it graphgear cannot
+    tell which arguments an op writes (KV caches) or recover in-place ops."""
+    return op._schema
+
+
+def op_name(op: OpOverload) -> str:
+    """``aten.add`` for ``aten.add.Tensor`` (``namespace`` + ``_opname``; checked on 2.13).
+    Names ops in ``stats()`` fallbacks and the op summary."""
+    return f"{op.namespace}.{op._opname}"
+
+
+def op_overload_name(op: OpOverload) -> str:
+    """``Tensor`` for ``aten.add.Tensor`` (``_overloadname``; checked on 2.13)."""
+    return op._overloadname
+
+
+def op_packet_name(packet: OpOverloadPacket) -> str:
+    """``aten.add`` for the packet ``aten.add`` (``_qualified_op_name``; checked on 2.13)."""
+    return packet._qualified_op_name.replace("::", ".")
+
+
+def node_erased(node: torch.fx.Node) -> bool:
+    """Whether ``node`` was removed from its graph (``fx.Node._erased``; checked on 2.13)."""
+    return bool(node._erased)
+
+
+def make_fx_allowing_real_inputs(fn: Any, **kwargs: Any) -> Any:
+    """``make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True, ...)``: trace with
+    fake tensors made from real example inputs (checked on 2.13)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    return make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True, **kwargs)

@@ -34,6 +34,7 @@ from ._torch import (
     backend_compiler_failed,
     fake_mode_of,
     has_dynamo_graph_arg,
+    make_fx_allowing_real_inputs,
     tracing,
     unset_fake_temporarily,
 )
@@ -163,8 +164,8 @@ def decompose_aten_graph(
             with fake_mode:
                 return make_fx(gm, decomposition_table=dict(table), tracing_mode="real",
                                record_module_stack=False)(*example_inputs)
-        return make_fx(gm, decomposition_table=dict(table), tracing_mode="fake",
-                       _allow_non_fake_inputs=True, record_module_stack=False)(*example_inputs)
+        return make_fx_allowing_real_inputs(gm, decomposition_table=dict(table),
+                                            record_module_stack=False)(*example_inputs)
 
 
 class GraphgearBackend:

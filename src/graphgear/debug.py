@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 
 from torch import fx
 
-from ._torch import OpOverload, OpOverloadPacket
+from ._torch import OpOverload, OpOverloadPacket, op_name, op_packet_name
 
 if TYPE_CHECKING:
     from .config import CompilerConfig
@@ -157,9 +157,9 @@ def _readlink(path: str) -> str:
 def op_key(target: object) -> str:
     """``aten.add`` for ``aten.add.Tensor``; the qualified name for other callables."""
     if isinstance(target, OpOverload):
-        return f"{target.namespace}.{target._opname}"
+        return op_name(target)
     if isinstance(target, OpOverloadPacket):
-        return f"{target._qualified_op_name.replace('::', '.')}"
+        return op_packet_name(target)
     return _target_name(target)
 
 

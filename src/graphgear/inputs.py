@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from ._torch import OpOverload, TracingContext, dynamo_graph_arg
+from ._torch import OpOverload, TracingContext, dynamo_graph_arg, op_schema
 from .errors import GearError
 from .gears import get_dim_gears
 
@@ -149,7 +149,7 @@ def written_arguments(node: fx.Node) -> list[fx.Node]:
     if node.op != "call_function" or not isinstance(node.target, OpOverload):
         return []
     out: list[fx.Node] = []
-    for i, a in enumerate(node.target._schema.arguments):
+    for i, a in enumerate(op_schema(node.target).arguments):
         if a.alias_info is None or not a.alias_info.is_write:
             continue
         if i < len(node.args) and not a.kwarg_only:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from .._torch import node_erased
 from .manager import node_val
 
 aten = torch.ops.aten
@@ -162,7 +163,7 @@ def fuse_attention(gm: fx.GraphModule, skip_devices: tuple[str, ...] = ()) -> in
     graph = gm.graph
     count = 0
     for softmax in list(graph.find_nodes(op="call_function", target=aten._softmax.default)):
-        if softmax._erased:
+        if node_erased(softmax):
             continue
         m = _match(softmax)
         if m is None:

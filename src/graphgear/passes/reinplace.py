@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from .._torch import OpOverload
+from .._torch import OpOverload, op_overload_name, op_schema
 from .manager import GraphPass
 
 aten = torch.ops.aten
@@ -37,10 +37,10 @@ def inplace_variant(target: Any) -> Any:
     inplace_packet = getattr(ns, packet.__name__ + "_", None)
     if inplace_packet is None:
         return None
-    op = getattr(inplace_packet, target._overloadname, None)
+    op = getattr(inplace_packet, op_overload_name(target), None)
     if op is None:
         return None
-    args = op._schema.arguments
+    args = op_schema(op).arguments
     if not args or args[0].alias_info is None or not args[0].alias_info.is_write:
         return None
     return op
