@@ -69,13 +69,14 @@ class Stats:
         return len(self.graphs)
 
     def __str__(self) -> str:
-        cols = ["name", "stage", "mode", "gears", "compiles", "captures", "replays",
-                "fallbacks", "compile_s", "pool_bytes"]
+        cols = ["name", "stage", "mode", "gears", "compiles", "captures", "replays", "rebinds",
+                "uncaptured", "fallbacks", "compile_s", "pool_bytes", "cache"]
         rows = [
             [g.name, g.stage, g.mode, str(len(g.gears)) if g.gears else "-", str(g.compiles),
-             str(g.captures), str(g.replays),
+             str(g.captures) + (f" ({g.recaptures} moved)" if g.recaptures else ""),
+             str(g.replays), str(g.rebinds), str(g.uncaptured_runs),
              "; ".join(f"{op}: {why}" for op, why in g.fallbacks) or "-",
-             f"{g.compile_seconds:.3f}", str(g.pool_bytes)]
+             f"{g.compile_seconds:.3f}", str(g.pool_bytes), g.cache or "-"]
             for g in self.graphs
         ]
         table = text_table(cols, rows, rule=False)
