@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+import graphgear
+
 
 def _flat(x: Any) -> list[torch.Tensor]:
     if isinstance(x, torch.Tensor):
@@ -140,3 +142,26 @@ def check_against_eager(
             assert_close(b_c, b_e, reduction=reduction, what=f"step {step} buffer {name}")
     return compiled
 
+
+def make_config(mode: str = "reduce-overhead", **opts: Any) -> graphgear.CompilerConfig:
+    """A config in ``mode`` (``"eager"``: ``debug.run_eagerly``) with ``opts`` set by
+    dotted path or unique leaf name (``warmup_iters=0``, ``gear_padding=True``)."""
+    cfg = graphgear.CompilerConfig()
+    if mode == "eager":
+        cfg.debug.run_eagerly = True
+    else:
+        cfg.mode = mode
+    graphgear.config.apply_options(cfg, opts)
+    return cfg
+
+
+def make_backend(mode: str = "reduce-overhead", **opts: Any) -> graphgear.backend.GraphgearBackend:
+    """``graphgear.get_backend`` of :func:`make_config`."""
+    return graphgear.get_backend(compiler_config=make_config(mode, **opts))
+
+
+def last_record(stage: str = "inference") -> graphgear.stats.GraphRecord:
+    """The last compiled graph of ``stage`` in ``graphgear.stats()``."""
+    recs = [g for g in graphgear.stats().graphs if g.stage == stage]
+    assert recs, f"no {stage} graph in {graphgear.stats()}"
+    return recs[-1]

@@ -16,28 +16,11 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import graphgear
 from graphgear.capture import CaptureEngine, MemoryPool, find_uncapturable
 from tests.helpers import assert_close
+from tests.helpers import last_record as _rec
+from tests.helpers import make_backend as _ro
+from tests.models import Net
 
 pytestmark = pytest.mark.inductor
-
-
-def _ro(**capture: object) -> graphgear.backend.GraphgearBackend:
-    config = graphgear.CompilerConfig()
-    config.mode = "reduce-overhead"
-    for k, v in capture.items():
-        if k == "frozen_parameter":
-            config.experimental_config.frozen_parameter = v
-        else:
-            setattr(config.capture_config, k, v)
-    return graphgear.get_backend(config)
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.relu(self.lin(x)) * 2 + 1
 
 
 class Cache(nn.Module):
@@ -51,12 +34,6 @@ class Cache(nn.Module):
     def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         self.cache.index_copy_(0, pos, self.lin(x))
         return self.cache.sum(0, keepdim=True) * 1.5
-
-
-def _rec(stage: str = "inference") -> graphgear.stats.GraphRecord:
-    recs = [g for g in graphgear.stats().graphs if g.stage == stage]
-    assert recs, f"no {stage} graph in {graphgear.stats()}"
-    return recs[-1]
 
 
 def _engines() -> list[CaptureEngine]:

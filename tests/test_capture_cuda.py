@@ -12,20 +12,10 @@ from torch import nn
 import graphgear
 from graphgear.capture import MemoryPool
 from tests.helpers import assert_close
+from tests.helpers import last_record as _rec
+from tests.helpers import make_backend as _ro
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-def _ro(**capture: object) -> graphgear.backend.GraphgearBackend:
-    config = graphgear.CompilerConfig()
-    config.mode = "reduce-overhead"
-    for k, v in capture.items():
-        setattr(config.capture_config, k, v)
-    return graphgear.get_backend(config)
-
-
-def _rec(stage: str = "inference") -> graphgear.stats.GraphRecord:
-    return [g for g in graphgear.stats().graphs if g.stage == stage][-1]
 
 
 @torch.no_grad()

@@ -9,20 +9,10 @@ from torch._dynamo.utils import counters
 
 import graphgear
 from graphgear import GearError
-from tests.helpers import assert_close
+from tests.helpers import assert_close, make_backend
 from tests.models import MLP, hf_llama, small_decoder
 
 MODES = ["eager", "max-autotune", "reduce-overhead"]
-
-
-def backend(mode: str, **opts: object):
-    cfg = graphgear.CompilerConfig()
-    if mode == "eager":
-        cfg.debug.run_eagerly = True
-    else:
-        cfg.mode = mode
-    graphgear.config.apply_options(cfg, opts)
-    return graphgear.get_backend(compiler_config=cfg)
 
 
 def geared(x: torch.Tensor, gears: dict[int, list[int]]) -> torch.Tensor:
@@ -71,7 +61,7 @@ def test_set_dim_gears_again() -> None:
 @pytest.mark.parametrize("mode", MODES)
 def test_one_graph_per_gear_no_recompiles(mode: str) -> None:
     model = MLP().eval()
-    compiled = torch.compile(model, backend=backend(mode))
+    compiled = torch.compile(model, backend=make_backend(mode))
     counters.clear()
     with torch.no_grad():
         for n in [4, 1, 2, 8, 2, 4, 1]:
@@ -89,7 +79,7 @@ def test_one_graph_per_gear_no_recompiles(mode: str) -> None:
 @pytest.mark.parametrize("mode", MODES)
 def test_size_outside_gears_raises_and_model_stays_usable(mode: str) -> None:
     model = MLP().eval()
-    compiled = torch.compile(model, backend=backend(mode))
+    compiled = torch.compile(model, backend=make_backend(mode))
     with torch.no_grad():
         compiled(geared(torch.randn(2, 16), {0: [2, 4, 8]}))
         for bad in (3, 16):
@@ -104,7 +94,7 @@ def test_size_outside_gears_raises_and_model_stays_usable(mode: str) -> None:
 @pytest.mark.parametrize("mode", MODES)
 def test_padding_to_next_gear(mode: str) -> None:
     model = MLP().eval()
-    compiled = torch.compile(model, backend=backend(mode, gear_padding=True))
+    compiled = torch.compile(model, backend=make_backend(mode, gear_padding=True))
     with torch.no_grad():
         for n in [3, 5, 1, 7, 8]:
             x = geared(torch.randn(n, 16), {0: [2, 4, 8]})
@@ -126,7 +116,7 @@ def _two_dim_fn(x: torch.Tensor) -> torch.Tensor:
     ("product", [(2, 8), (4, 16), (2, 16), (4, 8)], [(3, 8)]),
 ])
 def test_merge_policies(policy: str, ok, bad) -> None:
-    compiled = torch.compile(_two_dim_fn, backend=backend("eager", dynamic_gears_merge_policy=policy))
+    compiled = torch.compile(_two_dim_fn, backend=make_backend("eager", dynamic_gears_merge_policy=policy))
     for b, s in ok:
         x = geared(torch.randn(b, s), {0: [2, 4], 1: [8, 16]})
         assert_close(compiled(x), _two_dim_fn(x), reduction=16)
@@ -138,7 +128,7 @@ def test_merge_policies(policy: str, ok, bad) -> None:
 
 
 def test_zip_of_unequal_lists_is_an_error() -> None:
-    compiled = torch.compile(_two_dim_fn, backend=backend("eager"))
+    compiled = torch.compile(_two_dim_fn, backend=make_backend("eager"))
     x = geared(torch.randn(2, 8), {0: [2, 4], 1: [8, 16, 32]})
     with pytest.raises(Exception) as e:
         compiled(x)
@@ -147,7 +137,7 @@ def test_zip_of_unequal_lists_is_an_error() -> None:
 
 
 def test_more_than_100_combinations_is_an_error() -> None:
-    compiled = torch.compile(_two_dim_fn, backend=backend("eager", dynamic_gears_merge_policy="product"))
+    compiled = torch.compile(_two_dim_fn, backend=make_backend("eager", dynamic_gears_merge_policy="product"))
     x = geared(torch.randn(2, 2), {0: list(range(1, 12)), 1: list(range(2, 13))})
     with pytest.raises(Exception) as e:
         compiled(x)
@@ -160,7 +150,7 @@ def test_precompile_builds_every_gear_before_the_first_real_call(mode: str) -> N
     model = small_decoder().eval()
     ref = small_decoder().eval()
     ref.load_state_dict(model.state_dict())
-    compiled = torch.compile(model, backend=backend(mode))
+    compiled = torch.compile(model, backend=make_backend(mode))
     tok = geared(torch.randint(0, 128, (2, 1)), {0: [1, 2, 4]})
     pos = torch.tensor([0])
     with torch.no_grad():
@@ -189,7 +179,7 @@ def test_padding_keeps_padded_mutated_input_in_place(mode: str) -> None:
         state.add_(x)
         return state * 2
 
-    compiled = torch.compile(f, backend=backend(mode, gear_padding=True))
+    compiled = torch.compile(f, backend=make_backend(mode, gear_padding=True))
     state, state_ref = torch.zeros(3, 4), torch.zeros(3, 4)
     for _ in range(4):
         x = torch.randn(3, 4)
@@ -219,7 +209,7 @@ def _llama_call(b: int, s: int, gears: dict[int, list[int]]) -> dict[str, torch.
 @pytest.mark.parametrize("mode", MODES)
 def test_hf_llama_batch_gears_with_padding(mode: str) -> None:
     model = hf_llama()
-    compiled = torch.compile(model, backend=backend(mode, gear_padding=True), fullgraph=True)
+    compiled = torch.compile(model, backend=make_backend(mode, gear_padding=True), fullgraph=True)
     counters.clear()
     with torch.no_grad():
         for b in [1, 2, 3, 4, 1]:
@@ -237,7 +227,7 @@ def test_hf_llama_batch_gears_with_padding(mode: str) -> None:
 ])
 def test_hf_llama_batch_and_sequence_gears(policy: str, sizes) -> None:
     model = hf_llama()
-    compiled = torch.compile(model, backend=backend("eager", dynamic_gears_merge_policy=policy),
+    compiled = torch.compile(model, backend=make_backend("eager", dynamic_gears_merge_policy=policy),
                              fullgraph=True)
     counters.clear()
     with torch.no_grad():

@@ -27,7 +27,10 @@ import graphgear
 from graphgear import GearError
 from graphgear.capture import MemoryPool, liveness
 from graphgear.capture.cpu_graph import CPUGraph
-from tests.helpers import assert_close, tolerance
+from tests.helpers import assert_close, make_backend, make_config, tolerance
+from tests.helpers import last_record as _rec
+from tests.helpers import make_backend as _ro
+from tests.models import Net
 
 aten = torch.ops.aten
 
@@ -35,34 +38,6 @@ pytestmark = pytest.mark.inductor
 
 
 # ---- reduce-overhead: memory safety, threads, capture rules (items 1-5, 7, 9-11, 16a, 18) ----
-
-
-def _ro(**capture: object) -> graphgear.backend.GraphgearBackend:
-    config = graphgear.CompilerConfig()
-    config.mode = "reduce-overhead"
-    for k, v in capture.items():
-        if k == "gear_padding":
-            config.inference_config.gear_padding = v
-        elif k == "run_eagerly":
-            config.debug.run_eagerly = v
-        elif k == "mode":
-            config.mode = v
-        else:
-            setattr(config.capture_config, k, v)
-    return graphgear.get_backend(config)
-
-
-def _rec(stage: str = "inference") -> graphgear.stats.GraphRecord:
-    return [g for g in graphgear.stats().graphs if g.stage == stage][-1]
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.relu(self.lin(x)) * 2 + 1
 
 
 class AddCache(nn.Module):
@@ -432,20 +407,6 @@ def test_item18_reset_frees_a_custom_pools_memory() -> None:
 MODES = ["eager", "max-autotune", "reduce-overhead"]
 
 
-def _config(mode: str, **opts: object) -> graphgear.CompilerConfig:
-    cfg = graphgear.CompilerConfig()
-    if mode == "eager":
-        cfg.debug.run_eagerly = True
-    else:
-        cfg.mode = mode
-    graphgear.config.apply_options(cfg, opts)
-    return cfg
-
-
-def _backend(mode: str, **opts: object) -> graphgear.GraphgearBackend:
-    return graphgear.get_backend(compiler_config=_config(mode, **opts))
-
-
 class _NoopOutputs(torch.nn.Module):
     """Returns ``x + 0``, ``self.w * 1`` and ``(x * 1).view(-1)``: removing the no-ops
     would hand back the input, the weight, and a view of the input."""
@@ -462,7 +423,7 @@ class _NoopOutputs(torch.nn.Module):
 def test_item6_noop_removal_never_aliases_outputs_to_inputs_or_weights(mode: str) -> None:
     model = _NoopOutputs()
     w_before = model.w.detach().clone()
-    compiled = torch.compile(model, backend=_backend(mode))
+    compiled = torch.compile(model, backend=make_backend(mode))
     x = torch.randn(4, 3)
     x_before = x.clone()
     for _ in range(3):  # reduce-overhead: warm-up, capture, replay
@@ -488,7 +449,7 @@ def test_item6_noop_removal_keeps_distinct_outputs_and_removes_the_rest() -> Non
         return a + 0, a * 1, (x + 0).relu()  # two outputs must not become one tensor
 
     gm = torch.fx.experimental.proxy_tensor.make_fx(f, tracing_mode="fake")(torch.randn(3))
-    removed = RemoveNoopOps()(gm, [], _config("eager"))
+    removed = RemoveNoopOps()(gm, [], make_config("eager"))
     gm.recompile()
     x = torch.randn(3)
     outs = gm(x)
@@ -531,7 +492,7 @@ def test_item15_keyword_cache_write_reaches_the_callers_tensor() -> None:
     # reduce-overhead copies inputs it does not know to be mutated into static buffers:
     # a missed mutation would write the buffer, not the caller's cache
     gm, args = _kwarg_write_graph()
-    compiled = graphgear.get_compiler(_config("reduce-overhead"))(gm, args)
+    compiled = graphgear.get_compiler(make_config("reduce-overhead"))(gm, args)
     for step in range(3):  # reduce-overhead: warm-up, capture, replay
         cache, idx, v = torch.zeros(6, 3), torch.tensor([step, 5 - step]), torch.randn(2, 3)
         expected_cache = cache.clone().index_copy_(0, idx, v)
@@ -549,7 +510,7 @@ def test_item13_get_compiler_on_make_fx_graph_in_max_autotune() -> None:
     x = torch.randn(3, 8)
     gm = torch.fx.experimental.proxy_tensor.make_fx(f)(x)
     assert any(n.target is aten.t.default for n in gm.graph.nodes)  # what Inductor rejected
-    compiled = graphgear.get_compiler(_config("max-autotune"))(gm, [x])
+    compiled = graphgear.get_compiler(make_config("max-autotune"))(gm, [x])
     for _ in range(2):
         x = torch.randn(3, 8)
         with torch.no_grad():
@@ -573,7 +534,7 @@ def test_item14_gears_land_on_the_user_input_after_lifted_parameters(mode: str) 
     gm = torch.fx.symbolic_trace(model)
     x = torch.randn(4, 16)
     graphgear.set_dim_gears(x, {0: [2, 4]})
-    compiled = graphgear.get_compiler(_config(mode))(gm, [x])
+    compiled = graphgear.get_compiler(make_config(mode))(gm, [x])
     with torch.no_grad():
         assert_close(compiled(x), model(x))
     (rec,) = [g for g in graphgear.stats().graphs if g.stage in ("forward", "inference")]
@@ -583,7 +544,7 @@ def test_item14_gears_land_on_the_user_input_after_lifted_parameters(mode: str) 
     bad = torch.randn(3, 16)
     graphgear.set_dim_gears(bad, {0: [2, 4]})
     with pytest.raises(GearError, match=r"input 'x' has size 3 at dim 0.*\[2, 4\]"):
-        graphgear.get_compiler(_config(mode))(torch.fx.symbolic_trace(model), [bad])
+        graphgear.get_compiler(make_config(mode))(torch.fx.symbolic_trace(model), [bad])
 
 
 def test_item12_rotary_op_real_and_fake_strides_agree_on_transposed_inputs() -> None:
@@ -632,7 +593,7 @@ def _qwen2() -> torch.nn.Module:
 def test_item12_qwen2_training_with_fx_passes_in_reduce_overhead() -> None:
     from tests.helpers import check_against_eager
 
-    cfg = _config("reduce-overhead", fx_passes=True)
+    cfg = make_config("reduce-overhead", fx_passes=True)
     fused: list[bool] = []
 
     def spy(gm: fx.GraphModule, example_inputs: object, config: object) -> None:
@@ -665,9 +626,9 @@ def test_item8_padding_refuses_outputs_sized_by_an_expression_of_the_gear(mode: 
         y = x @ w  # rows independent: dims of size s are sliced back, size 0 included
         return y, (y[:, None, :] * y[None, :, :]).sum(-1)  # (s, 3) and (s, s)
 
-    cf = torch.compile(f, backend=_backend(mode, gear_padding=True))
-    cg = torch.compile(g, backend=_backend(mode, gear_padding=True))
-    ch = torch.compile(h, backend=_backend(mode, gear_padding=True))
+    cf = torch.compile(f, backend=make_backend(mode, gear_padding=True))
+    cg = torch.compile(g, backend=make_backend(mode, gear_padding=True))
+    ch = torch.compile(h, backend=make_backend(mode, gear_padding=True))
     w = torch.randn(3, 3)
     for n in (4, 3, 0, 2, 1):
         x = _geared_rows(n)

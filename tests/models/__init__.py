@@ -9,6 +9,17 @@ from torch import nn
 from graphgear.toy_decoder import DecoderConfig, ToyDecoder
 
 
+class Net(nn.Module):
+    """One linear layer and a little pointwise work: a graph that compiles fast."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.lin(x)) * 2 + 1
+
+
 class MLP(nn.Module):
     def __init__(self, d_in: int = 16, hidden: int = 32, d_out: int = 8) -> None:
         super().__init__()
