@@ -72,7 +72,7 @@ from ._torch import (
     without_dim_markings,
 )
 from .backend import get_backend
-from .cachedir import default_cache_root
+from .cachedir import default_cache_root, unsafe_reason
 from .config import CompilerConfig
 from .gears import get_dim_gears
 from .inputs import GraphInputs
@@ -108,22 +108,6 @@ def cache_folder(cache_dir: str | None = None) -> str:
 # --------------------------------------------------------------------------- trust checks
 
 
-def folder_unsafe_reason(path: str) -> str | None:
-    """Why ``path`` is not a private folder of the current user (resolving a symlink),
-    or ``None``."""
-    try:
-        st = os.stat(path)  # follows a symlinked folder: judged by what it resolves to
-    except OSError as e:
-        return f"cannot stat it ({e.strerror})"
-    if not stat.S_ISDIR(st.st_mode):
-        return "it is not a directory"
-    if st.st_uid != os.getuid():
-        return f"it is owned by uid {st.st_uid}, not by the current user (uid {os.getuid()})"
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        return f"it is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o}; 0700 expected)"
-    return None
-
-
 def file_unsafe_reason(path: str) -> str | None:
     """Why the entry file ``path`` may not be loaded (symlink, owner, mode), or ``None``."""
     try:
@@ -147,7 +131,7 @@ def _entry_folder(root: str, rank: int | None) -> tuple[str, str | None]:
         os.makedirs(root, 0o700, exist_ok=True)
     except OSError as e:
         return root, f"cannot create it ({e.strerror})"
-    reason = folder_unsafe_reason(root)
+    reason = unsafe_reason(root, follow_symlinks=True)
     if reason is not None or rank is None:
         return root, reason
     sub = os.path.join(root, f"rank{int(rank)}")
@@ -159,7 +143,7 @@ def _entry_folder(root: str, rank: int | None) -> tuple[str, str | None]:
         pass
     except OSError as e:
         return sub, f"cannot create it ({e.strerror})"
-    return sub, folder_unsafe_reason(sub)
+    return sub, unsafe_reason(sub, follow_symlinks=True)
 
 
 # --------------------------------------------------------------------------- key

@@ -37,10 +37,12 @@ def default_cache_root() -> str:
     return os.path.join(os.path.expanduser("~"), ".cache")
 
 
-def unsafe_reason(path: str) -> str | None:
-    """Why ``path`` is not a private folder of the current user, or ``None`` if it is."""
+def unsafe_reason(path: str, *, follow_symlinks: bool = False) -> str | None:
+    """Why ``path`` is not a private folder of the current user, or ``None`` if it is.
+    ``follow_symlinks``: a symlinked folder is judged by what it resolves to (users link
+    ``~/.cache`` to another disk); otherwise a symlink is refused."""
     try:
-        st = os.lstat(path)
+        st = os.stat(path) if follow_symlinks else os.lstat(path)
     except OSError as e:
         return f"cannot stat it ({e.strerror})"
     if stat.S_ISLNK(st.st_mode):
@@ -50,7 +52,7 @@ def unsafe_reason(path: str) -> str | None:
     if hasattr(os, "getuid") and st.st_uid != os.getuid():
         return f"it is owned by uid {st.st_uid}, not by the current user (uid {os.getuid()})"
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        return f"it is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})"
+        return f"it is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o}; 0700 expected)"
     return None
 
 
