@@ -105,27 +105,21 @@ class GearedGraph:
         info = self.info
         grow = {i: (key[i], target[i]) for i in range(len(key)) if key[i] != target[i]}
         self._check_sliceable(key, target, grow)
-        size = info.size_at(target)
-        new_args = list(args)
         padded: list[int] = []
-        for j, v in enumerate(info.vals):
-            a = args[j]
-            if isinstance(v, torch.SymInt):
-                new_args[j] = size(v)
-            elif isinstance(v, torch.Tensor) and isinstance(a, torch.Tensor):
-                shape = info.shape_at(j, target)
-                if shape == list(a.shape):
-                    continue
-                k = (threading.get_ident(), j, target)
-                p = self._pad_buffers.get(k)
-                if p is None or list(p.shape) != shape or p.dtype != a.dtype or p.device != a.device:
-                    p = a.new_zeros(shape)
-                    self._pad_buffers[k] = p
-                else:
-                    p.zero_()
-                p[tuple(slice(0, n) for n in a.shape)] = a
-                new_args[j] = p
-                padded.append(j)
+
+        def pad(j: int, a: torch.Tensor, shape: list[int]) -> torch.Tensor:
+            k = (threading.get_ident(), j, target)
+            p = self._pad_buffers.get(k)
+            if p is None or list(p.shape) != shape or p.dtype != a.dtype or p.device != a.device:
+                p = a.new_zeros(shape)
+                self._pad_buffers[k] = p
+            else:
+                p.zero_()
+            p[tuple(slice(0, n) for n in a.shape)] = a
+            padded.append(j)
+            return p
+
+        new_args = _args_at(info, args, target, pad)
         out = self._get(target)(list(new_args))  # a boxed callee may clear its list
         for j in padded:
             if j in self.mutated:  # write the real rows back into the caller's tensor
@@ -198,8 +192,10 @@ class GearedGraph:
             args[j].copy_(saved)
 
 
-def _resize_args(info: ShapeInfo, args: Sequence[Any], key: Sequence[int]) -> list[Any]:
-    """``args`` with every symbolic size set to ``key`` (zero-padded or narrowed)."""
+def _args_at(info: ShapeInfo, args: Sequence[Any], key: Sequence[int],
+             resize: Callable[[int, torch.Tensor, list[int]], torch.Tensor]) -> list[Any]:
+    """``args`` at graph key ``key``: every symbolic size set to its value there, and
+    ``resize(j, tensor, shape)`` for each tensor whose shape differs at ``key``."""
     size = info.size_at(key)
     out = list(args)
     for j, v in enumerate(info.vals):
@@ -208,13 +204,21 @@ def _resize_args(info: ShapeInfo, args: Sequence[Any], key: Sequence[int]) -> li
             out[j] = size(v)
         elif isinstance(v, torch.Tensor) and isinstance(a, torch.Tensor):
             shape = info.shape_at(j, key)
-            if shape == list(a.shape):
-                continue
-            t = a.new_zeros(shape)
-            common = tuple(slice(0, min(x, y)) for x, y in zip(shape, a.shape))
-            t[common] = a[common]
-            out[j] = t
+            if shape != list(a.shape):
+                out[j] = resize(j, a, shape)
     return out
+
+
+def _resize_args(info: ShapeInfo, args: Sequence[Any], key: Sequence[int]) -> list[Any]:
+    """``args`` with every symbolic size set to ``key`` (zero-padded or narrowed)."""
+
+    def resize(j: int, a: torch.Tensor, shape: list[int]) -> torch.Tensor:
+        t = a.new_zeros(shape)
+        common = tuple(slice(0, min(x, y)) for x, y in zip(shape, a.shape))
+        t[common] = a[common]
+        return t
+
+    return _args_at(info, args, key, resize)
 
 
 def output_specs(gm: Any, info: ShapeInfo) -> list[dict[int, int]]:
