@@ -30,7 +30,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import graphgear
-from graphgear.toy_decoder import DecoderConfig, ToyDecoder, apply_rotary
+from graphgear.toy_decoder import Attention, DecoderConfig, ToyDecoder
 
 pytestmark = pytest.mark.distributed
 
@@ -224,13 +224,13 @@ def test_rank_outside_gears_raises_before_any_collective(tmp_path: Path, mode: s
 # ----------------------------------------- 3. tensor-parallel decoder over 2 ranks
 
 
-class TPAttention(nn.Module):
-    """Megatron-style attention on ``world`` ranks: this rank's heads (column-parallel
-    q/k/v, a slice of the KV cache), a row-parallel out projection, then an all-reduce
-    (the functional one)."""
+class TPAttention(Attention):
+    """Megatron-style attention on ``world`` ranks: the toy decoder's attention over this
+    rank's heads (column-parallel q/k/v, a slice of the KV cache) and a row-parallel out
+    projection, then an all-reduce (the functional one)."""
 
     def __init__(self, full: nn.Module, rank: int, world: int) -> None:
-        super().__init__()
+        nn.Module.__init__(self)
         self.num_heads = full.num_heads // world
         self.head_dim = full.head_dim
         cols = slice(rank * self.num_heads * self.head_dim, (rank + 1) * self.num_heads * self.head_dim)
@@ -245,20 +245,7 @@ class TPAttention(nn.Module):
                 mask: torch.Tensor) -> torch.Tensor:
         import torch.distributed._functional_collectives as fc
 
-        bsz, seq, _ = x.shape
-        q = self.q_proj(x).view(bsz, seq, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(bsz, seq, self.num_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(bsz, seq, self.num_heads, self.head_dim).transpose(1, 2)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
-        k_cache = self.k_cache[:bsz]
-        v_cache = self.v_cache[:bsz]
-        k_cache.index_copy_(2, positions, k)
-        v_cache.index_copy_(2, positions, v)
-        scores = torch.matmul(q, k_cache.transpose(2, 3)) / self.head_dim ** 0.5
-        probs = torch.softmax((scores + mask).float(), dim=-1).to(q.dtype)
-        out = torch.matmul(probs, v_cache).transpose(1, 2).reshape(bsz, seq, -1)
-        return fc.all_reduce(self.o_proj(out), "sum", dist.group.WORLD)
+        return fc.all_reduce(super().forward(x, cos, sin, positions, mask), "sum", dist.group.WORLD)
 
 
 class TPMLP(nn.Module):

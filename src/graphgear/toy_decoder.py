@@ -72,7 +72,7 @@ class Attention(nn.Module):
         positions: torch.Tensor,
         mask: torch.Tensor,
     ) -> torch.Tensor:
-        bsz, seq, hidden = x.shape
+        bsz, seq, _ = x.shape
         q = self.q_proj(x).view(bsz, seq, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(bsz, seq, self.num_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(bsz, seq, self.num_heads, self.head_dim).transpose(1, 2)
@@ -86,7 +86,7 @@ class Attention(nn.Module):
         scores = scores + mask
         probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
         out = torch.matmul(probs, v_cache)
-        out = out.transpose(1, 2).reshape(bsz, seq, hidden)
+        out = out.transpose(1, 2).reshape(bsz, seq, -1)  # -1: this module's heads
         return self.o_proj(out)
 
 
