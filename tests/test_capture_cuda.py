@@ -14,6 +14,7 @@ from graphgear.capture import MemoryPool
 from tests.helpers import assert_close
 from tests.helpers import last_record as _rec
 from tests.helpers import make_backend as _ro
+from tests.models import CacheWriter
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -142,21 +143,11 @@ def test_cuda_threads_each_get_their_own_results() -> None:
     assert r.captures >= 5 and r.fallbacks == [], r
 
 
-class _CacheNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(16, 16)
-
-    def forward(self, x: torch.Tensor, pos: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
-        cache.index_copy_(0, pos, self.lin(x))
-        return cache.sum(0, keepdim=True)
-
-
 @torch.no_grad()
 def test_cuda_moved_cache_is_recaptured_without_recompiling_and_dead_ones_released() -> None:
     import gc
 
-    net = _CacheNet().cuda()
+    net = CacheWriter(16).cuda()
     f = torch.compile(net, backend=_ro())
     for _req in range(5):  # a fresh cache per request, as generate() makes
         cache, ref_cache = torch.zeros(8, 16, device="cuda"), torch.zeros(8, 16, device="cuda")

@@ -30,7 +30,7 @@ from graphgear.capture.cpu_graph import CPUGraph
 from tests.helpers import assert_close, make_backend, make_config, tolerance
 from tests.helpers import last_record as _rec
 from tests.helpers import make_backend as _ro
-from tests.models import Net
+from tests.models import CacheWriter, Net
 
 aten = torch.ops.aten
 
@@ -341,19 +341,9 @@ def test_item9_capture_limit_holds_when_keys_round_robin() -> None:
     assert any(op == "capture_limit" for op, _ in _rec().fallbacks)
 
 
-class TwoCaches(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor, pos: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
-        cache.index_copy_(0, pos, self.lin(x))
-        return cache.sum(0, keepdim=True)
-
-
 @torch.no_grad()
 def test_item10_two_kv_caches_used_alternately_replay() -> None:
-    net = TwoCaches()
+    net = CacheWriter()
     f = torch.compile(net, backend=_ro())
     caches = [torch.zeros(6, 8), torch.zeros(6, 8)]
     refs = [torch.zeros(6, 8), torch.zeros(6, 8)]

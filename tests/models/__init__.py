@@ -20,6 +20,19 @@ class Net(nn.Module):
         return torch.relu(self.lin(x)) * 2 + 1
 
 
+class CacheWriter(nn.Module):
+    """Writes a projection of its input into a cache passed as an input (a KV cache a
+    caller owns) and returns the cache's sum: the cache can move between calls."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        cache.index_copy_(0, pos, self.lin(x))
+        return cache.sum(0, keepdim=True)
+
+
 class MLP(nn.Module):
     def __init__(self, d_in: int = 16, hidden: int = 32, d_out: int = 8) -> None:
         super().__init__()
