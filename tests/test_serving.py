@@ -3,6 +3,8 @@ results equal eager, and guards on state other than modules still hold."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -59,12 +61,15 @@ def test_serving_guard_filter_drops_only_module_guards() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("batch", [1, 3])
 @torch.no_grad()
-def test_serve_transformers_static_cache_keeps_the_cache_guard() -> None:
+def test_serve_transformers_static_cache_keeps_the_cache_guard(batch: int, caplog: pytest.LogCaptureFixture) -> None:
     """HF's StaticCache initialises lazily on the first call; the guard on its
     ``is_initialized`` is not a module guard, so the served model compiles a second
     graph for the initialised cache instead of replaying the first (which would write a
-    new cache each step)."""
+    new cache each step). At batch 3 the weights are packed for MKL (Inductor's freezing
+    passes, constant folding included): only parameters may be folded, never the cache's
+    write position or other state that changes between steps."""
     from transformers import Qwen2Config, Qwen2ForCausalLM, StaticCache
 
     cfg = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -74,14 +79,21 @@ def test_serve_transformers_static_cache_keeps_the_cache_guard() -> None:
     ref.load_state_dict(model.state_dict())
     f = serve(model)
     cache, ref_cache = StaticCache(config=cfg, max_cache_len=16), StaticCache(config=cfg, max_cache_len=16)
-    tok = torch.tensor([[5]])
-    for p in range(6):
-        pos = torch.tensor([[p]])
-        out = f(input_ids=tok, cache=cache, position_ids=pos, use_cache=True).logits
-        want = ref(input_ids=tok, cache=ref_cache, position_ids=pos, use_cache=True).logits
-        assert_close(out, want, reduction=128)
+
+    def decode(steps: int) -> None:
+        tok = ref_tok = torch.arange(5, 5 + batch).view(batch, 1)
+        for p in range(steps):
+            pos = torch.full((batch, 1), p)
+            out = f(input_ids=tok, cache=cache, position_ids=pos, use_cache=True).logits
+            want = ref(input_ids=ref_tok, cache=ref_cache, position_ids=pos, use_cache=True).logits
+            assert_close(out, want, reduction=128)
+            tok, ref_tok = out[:, -1:].argmax(-1), want[:, -1:].argmax(-1)
+            assert_close(cache.layers[0].keys, ref_cache.layers[0].keys, reduction=64)
+
+    with caplog.at_level(logging.INFO, logger="graphgear.compilers.inductor"):
+        decode(6)
+    packed = [r for r in caplog.records if "packed" in r.getMessage()]
+    assert bool(packed) == (batch > 1), [r.getMessage() for r in packed]
     cache.reset()  # the cache's tensors are the user's, never a graph's output
     ref_cache.reset()
-    assert_close(f(input_ids=tok, cache=cache, position_ids=torch.tensor([[0]]), use_cache=True).logits,
-                 ref(input_ids=tok, cache=ref_cache, position_ids=torch.tensor([[0]]), use_cache=True).logits,
-                 reduction=128)
+    decode(4)
