@@ -10,7 +10,11 @@ reduce-overhead with ``frozen_parameter`` (weights packed as constants), and
 README); columns are batch sizes. Each cell is µs per decode
 step and the ratio to eager; the last column gives the weight bandwidth at batch 1
 (weight bytes read per step / step time) and its share of the machine's single-thread
-read bandwidth, measured in the same run (``torch.sum`` over a 100 MB tensor).
+read bandwidth, measured in the same run (``torch.sum`` over a 100 MB tensor). A last
+row gives the roofline floor of a step at each batch: the weights read once at that
+bandwidth, or the matrix products' FLOPs at the machine's GEMM rate (a 512-cube ``mm``,
+measured in the same run), whichever is longer; each graphgear line says how close to
+it a contender gets (floor / time).
 
 Models (transformers Qwen2, random weights, built from a config; nothing is downloaded):
 ``small`` hidden 256, 4 layers, vocab 2048 (the issue's model); ``large`` hidden 1024, 2
@@ -81,6 +85,28 @@ def read_bandwidth() -> float:
         x.sum()
         best = min(best, time.perf_counter() - t0)
     return x.numel() * 4 / best / 1e9
+
+
+def gemm_peak() -> float:
+    """The machine's matrix-product rate in GFLOP/s at the current thread count: a
+    512 x 512 x 512 fp32 ``mm`` (MKL), best of 5."""
+    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    best = float("inf")
+    for _ in range(6):
+        t0 = time.perf_counter()
+        for _ in range(4):
+            a @ b
+        best = min(best, (time.perf_counter() - t0) / 4)
+    return 2 * 512**3 / best / 1e9
+
+
+def floor_us(weight_bytes: int, batch: int, bw: float, peak: float) -> tuple[float, str]:
+    """The roofline of one decode step: reading every weight once at the measured read
+    bandwidth, or the matrix products' FLOPs (2 per weight per row) at the measured GEMM
+    rate, whichever takes longer; microseconds and which bound it is."""
+    read = weight_bytes / (bw * 1e9)
+    compute = 2 * batch * (weight_bytes / 4) / (peak * 1e9)
+    return max(read, compute) * 1e6, "bandwidth" if read >= compute else "compute"
 
 
 def compiled(name: str, model: torch.nn.Module) -> Callable[..., Any]:
@@ -159,9 +185,10 @@ def bench_size(size: str, batches: list[int], steps: int, rounds: int, contender
     return {"size": size, "weight_bytes": weight_bytes(base), "us": res, "max_abs_diff": diffs}
 
 
-def print_table(r: dict[str, Any], batches: list[int], bw: float) -> None:
+def print_table(r: dict[str, Any], batches: list[int], bw: float, peak: float) -> None:
     eager = r["us"]["eager"]
-    print(f"\n{r['size']}: weights {r['weight_bytes'] / 1e6:.1f} MB; machine read bandwidth {bw:.1f} GB/s")
+    print(f"\n{r['size']}: weights {r['weight_bytes'] / 1e6:.1f} MB; machine read bandwidth {bw:.1f} GB/s, "
+          f"GEMM {peak:.1f} GFLOP/s")
     head = f"{'contender':28s}" + "".join(f"{'batch ' + str(b):>20s}" for b in batches) + f"{'GB/s (batch 1)':>22s}"
     print(head)
     for c, per in r["us"].items():
@@ -169,6 +196,9 @@ def print_table(r: dict[str, Any], batches: list[int], bw: float) -> None:
         b1 = batches[0]
         gbs = r["weight_bytes"] / per[b1] / 1e9
         print(f"{c:28s}{cells}{gbs:10.1f} ({100 * gbs / bw:3.0f} %)")
+    floors = {b: floor_us(r["weight_bytes"], b, bw, peak) for b in batches}
+    print(f"{'roofline floor':28s}" + "".join(f"{us:10.0f} us {bound[:4]:>6s}" for us, bound in floors.values()))
+    r["floor_us"] = {b: us for b, (us, _) in floors.items()}
     if "torch.compile" in r["us"]:
         tc = r["us"]["torch.compile"]
         for c in r["us"]:
@@ -176,7 +206,8 @@ def print_table(r: dict[str, Any], batches: list[int], bw: float) -> None:
                 print(f"  {c} vs torch.compile: " + ", ".join(
                     f"batch {b} {r['us'][c][b] / tc[b]:.2f}x" for b in batches)
                     + f"; batch {batches[-1]} / batch {batches[0]} = "
-                    f"{r['us'][c][batches[-1]] / r['us'][c][batches[0]]:.2f}x")
+                    f"{r['us'][c][batches[-1]] / r['us'][c][batches[0]]:.2f}x; roofline floor / time: "
+                    + ", ".join(f"{100 * floors[b][0] / (r['us'][c][b] * 1e6):.0f} %" for b in batches))
     print("  max abs diff of the logits vs eager: "
           + ", ".join(f"{c} {d:.1e}" for c, d in r["max_abs_diff"].items()))
 
@@ -238,15 +269,16 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(a.threads)
     contenders = [c for c in a.contenders.split(",") if c]
     bw = read_bandwidth()
+    peak = gemm_peak()
     results = []
     for size in a.sizes.split(","):
         r = bench_size(size, a.batch_sizes, a.steps, a.rounds, contenders)
-        print_table(r, a.batch_sizes, bw)
+        print_table(r, a.batch_sizes, bw, peak)
         results.append(r)
     split = overhead(a.overhead, a.steps, a.rounds) if a.overhead else None
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"read_bandwidth_gbs": bw, "threads": a.threads, "results": results,
+            json.dump({"read_bandwidth_gbs": bw, "gemm_gflops": peak, "threads": a.threads, "results": results,
                        "overhead": split}, f, indent=1)
     return 0
 
