@@ -156,17 +156,20 @@ def static_fakes(args: Sequence[Any], *, allow_constants: bool = False) -> list[
 
 def compile_static(
     gm: fx.GraphModule, args: Sequence[Any], *, stage: str, static_idx: Sequence[int],
-    frozen: bool = False,
+    frozen: bool = False, pack: bool = True,
 ) -> Callable[[list[Any]], Any]:
     """Inductor-compile a static-shape graph for a device graph to capture (the CPU
     graph records its allocations; a CUDA graph captures its kernels); boxed callable.
 
     ``frozen`` (``experimental_config.frozen_parameter`` on an inference graph on the
-    CPU): the static inputs (parameters) become constants of the graph, so Inductor's C++
-    GEMM template packs the weights once at compile time and serves every small-M matrix
-    product from them (a decode step at batch 2 to 8: ATen's small-M GEMM reads weights at
-    a fifth of the one-row rate). The compiled code then holds a packed copy: parameters
-    changed in place afterwards are not seen. That is what ``frozen_parameter`` promises."""
+    CPU): the static inputs that are parameters become constants of the graph, packed
+    once at compile time: for Inductor's C++ GEMM template, and where every matrix product
+    has :data:`PACK_MIN_ROWS` rows or more (a decode step at batch 2 to 8, where ATen's
+    small-M GEMM reads weights at a fifth of the one-row rate) also for MKL, by Inductor's
+    freezing passes, with Inductor benchmarking the two per product (``pack``: allow the
+    MKL packing; it is retried without where it fails). The compiled code then holds a
+    packed copy: parameters changed in place afterwards are not seen. That is what
+    ``frozen_parameter`` promises."""
     register_inductor_lowering()
     frozen = frozen and bool(static_idx)
     fakes = static_fakes(args, allow_constants=frozen)
@@ -180,6 +183,7 @@ def compile_static(
     )
     keep = list(range(len(args)))
     static = list(static_idx)
+    packed = False
     if frozen:
         # parameters only: buffers and static-address inputs (a KV cache's write
         # position) are state that may change between replays
@@ -189,17 +193,26 @@ def compile_static(
         static = [keep.index(i) for i in static if i in keep]
         patches.update(max_autotune=True, max_autotune_gemm_backends="CPP")
         rows = _matmul_rows(dgm)
-        if params and min(rows, default=1) >= PACK_MIN_ROWS:
+        packed = pack and bool(params) and min(rows, default=1) >= PACK_MIN_ROWS
+    try:
+        if packed:
             dgm = inductor_freeze(dgm, fakes)
             patches.update(freezing=True, max_autotune_gemm_backends="CPP,ATEN")
-            log.info("graphgear: packed the weights of %d matrix products (%s rows) for MKL; Inductor "
-                     "picks the packed kernel or its C++ GEMM template per product", len(rows),
-                     "/".join(map(str, sorted(set(rows)))))
-    with cache_context(fakes, replace=True), inductor_config_patch(**patches):
-        compiled = inductor_compile_fx_inner(
-            dgm, fakes, static_input_idxs=static,
-            is_inference=stage == "inference", is_backward=stage == "backward",
-        )
+        with cache_context(fakes, replace=True), inductor_config_patch(**patches):
+            compiled = inductor_compile_fx_inner(
+                dgm, fakes, static_input_idxs=static,
+                is_inference=stage == "inference", is_backward=stage == "backward",
+            )
+    except Exception as e:
+        if not packed:
+            raise
+        log.warning("graphgear: packing the weights for MKL failed (%s: %s); compiling this graph "
+                    "with Inductor's C++ GEMM template alone.", type(e).__name__, e)
+        return compile_static(gm, args, stage=stage, static_idx=static_idx, frozen=True, pack=False)
+    if packed:
+        log.info("graphgear: packed the weights of %d matrix products (%s rows) for MKL; Inductor "
+                 "picks the packed kernel or its C++ GEMM template per product", len(rows),
+                 "/".join(map(str, sorted(set(rows)))))
     if len(keep) == len(args):
         return compiled
     return inductor_drop_args(compiled, keep)
