@@ -77,6 +77,23 @@ def test_item1_views_made_under_inference_mode_raise_when_stale(make_view) -> No
         assert_close(out, net(x2), reduction=64)
 
 
+def test_item1_frozen_packed_outputs_go_stale_like_any_other() -> None:
+    """frozen_parameter at 4 rows: the output comes straight from a matrix product on
+    packed weights (MKL's, whose result ATen allocates outside the pool, or the C++
+    template's); either way a view made under inference_mode goes stale like any output."""
+    net = nn.Linear(8, 8)
+    f = torch.compile(net, backend=_ro(warmup_iters=0, frozen_parameter=True))
+    x1, x2 = torch.randn(4, 8), torch.randn(4, 8)
+    with torch.inference_mode():
+        view = f(x1)[1:]
+        assert_close(view, net(x1)[1:], reduction=64)
+        out = f(x2)
+        with pytest.raises(RuntimeError, match="overwritten.*clone_output=True"):
+            view + 0
+        assert_close(out, net(x2), reduction=64)
+        assert_close(f(x1), net(x1), reduction=64)
+
+
 def test_item1_decode_loop_keeps_last_logits_view() -> None:
     from graphgear.toy_decoder import DecoderConfig, ToyDecoder
 
