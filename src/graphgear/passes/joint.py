@@ -354,6 +354,14 @@ class RotaryFusion(_FusionPass):
     group = "rotary"
 
 
+def attention_skip_devices(config: Any) -> tuple[str, ...]:
+    """Device types whose attention stays unfused. Where Inductor generates the code
+    (max-autotune, and reduce-overhead's CPU graph), its attention beats the CPU SDPA
+    kernel on the decoder step (benchmarks/bench_passes.py): on the CPU only
+    run_eagerly gets SDPA."""
+    return () if mode_of(config) == "eager" else ("cpu",)
+
+
 class AttentionFusion(_FusionPass):
     """Inference graphs without decompositions: the layout-agnostic matcher of
     :mod:`graphgear.passes.attention`; other graphs: the traced patterns."""
@@ -362,11 +370,7 @@ class AttentionFusion(_FusionPass):
     group = "attention"
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], config: Any) -> int:
-
-        # Where Inductor generates the code (max-autotune, and reduce-overhead's CPU
-        # graph), its attention beats the CPU SDPA kernel on the decoder step
-        # (benchmarks/bench_passes.py): on the CPU only run_eagerly gets SDPA.
-        skip = () if mode_of(config) == "eager" else ("cpu",)
+        skip = attention_skip_devices(config)
         if _kind_of(gm, config) == "aten" and not _is_joint(gm):
             return fuse_attention(gm, skip_devices=skip)
         token = _SKIP_DEVICES.set(skip)
