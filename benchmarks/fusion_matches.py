@@ -3,9 +3,10 @@ every output and gradient checked against eager PyTorch.
 
 Models: the embedded toy decoder (one decode step), and transformers Llama, GPT-2 and
 Qwen2 (2 layers, random weights, eager attention, ids of shape (2, 8)). Graph kinds:
-``inference`` (``torch.no_grad()``), ``training`` (static shapes: fused before
-AOTAutograd differentiates the forward) and ``training-dynamic`` (batch marked dynamic:
-the joint forward+backward graph). Modes: ``run_eagerly`` (aten graphs as
+``inference`` (``torch.no_grad()``), ``training`` (static shapes) and
+``training-dynamic`` (batch marked dynamic); the ``fused on`` column says whether a
+training graph's fusions ran on the forward before AOTAutograd differentiated it
+(``pre-grad``) or on the joint forward+backward graph (``joint``). Modes: ``run_eagerly`` (aten graphs as
 AOTAutograd gives them; reduce-overhead sees the same graphs) and ``max-autotune``
 (Inductor's decompositions applied first).
 
@@ -67,22 +68,18 @@ def _model(which: str) -> tuple[nn.Module, Callable[[], list[torch.Tensor]], Cal
 
 
 def _config(mode: str) -> graphgear.CompilerConfig:
-    cfg = graphgear.CompilerConfig()
-    if mode == "run_eagerly":
-        cfg.mode = "reduce-overhead"
-        cfg.debug.run_eagerly = True
-    else:
-        cfg.mode = mode
-    cfg.experimental_config.fx_passes = True
-    return cfg
+    opts: dict[str, Any] = {"mode": "reduce-overhead", "debug.run_eagerly": True} \
+        if mode == "run_eagerly" else {"mode": mode}
+    return graphgear.CompilerConfig.from_dict({**opts, "experimental_config.fx_passes": True})
 
 
 def _max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
 
 
-def run(which: str, mode: str, kind: str) -> tuple[dict[str, int], float, float]:
-    """(matches, max relative output error, max relative gradient error) of one compile."""
+def run(which: str, mode: str, kind: str) -> tuple[dict[str, int], str, float, float]:
+    """(matches, the graphs the fusions ran on, max relative output error, max relative
+    gradient error) of one compile."""
     model, inputs, logits = _model(which)
     ref = copy.deepcopy(model)
     train = kind != "inference"
@@ -101,17 +98,17 @@ def run(which: str, mode: str, kind: str) -> tuple[dict[str, int], float, float]
     if train:
         out.square().mean().backward()
         expected.square().mean().backward()
-        for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        for p, q in zip(model.parameters(), ref.parameters()):
             if q.grad is None:
                 continue
             grad_err = max(grad_err, _max_rel(p.grad, q.grad))
     entries = graphgear.stats().joint
-    want_pre_grad = kind == "training"
-    picked = [e for e in entries if e["training"] == train and (not train or e["pre_grad"] == want_pre_grad)]
+    picked = [e for e in entries if e["training"] == train]
     if not picked:
         raise SystemExit(f"{which} {mode} {kind}: no joint-pass run of that kind: {entries}")
     matches = {f: sum(e["matches"].get(f, 0) for e in picked) for f in FUSIONS}
-    return matches, out_err, grad_err
+    path = "no grad" if not train else "+".join(sorted({"pre-grad" if e["pre_grad"] else "joint" for e in picked}))
+    return matches, path, out_err, grad_err
 
 
 def main() -> None:
@@ -126,14 +123,14 @@ def main() -> None:
     joint.fused_rms_norm_kernel = lambda device: True  # count RMSNorm matches on the CPU too
     if not args.device_skip:
         joint.attention_skip_devices = lambda config: ()
-    print(f"{'model':6s} {'mode':13s} {'graphs':17s} {'rms':>4s} {'rope':>4s} {'attn':>4s} "
+    print(f"{'model':6s} {'mode':13s} {'graphs':17s} {'fused on':8s} {'rms':>4s} {'rope':>4s} {'attn':>4s} "
           f"{'out err':>8s} {'grad err':>8s} {'s':>5s}")
     for which in args.models.split(","):
         for mode in args.modes.split(","):
             for kind in args.kinds.split(","):
                 t0 = time.perf_counter()
-                m, oe, ge = run(which, mode, kind)
-                print(f"{which:6s} {mode:13s} {kind:17s} {m['rms_norm_fusion']:4d} "
+                m, path, oe, ge = run(which, mode, kind)
+                print(f"{which:6s} {mode:13s} {kind:17s} {path:8s} {m['rms_norm_fusion']:4d} "
                       f"{m['rotary_fusion']:4d} {m['attention_fusion']:4d} {oe:8.1e} {ge:8.1e} "
                       f"{time.perf_counter() - t0:5.1f}", flush=True)
 

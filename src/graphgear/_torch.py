@@ -89,6 +89,7 @@ __all__ = [
     "decomp_fused_rms_norm",
     "decomp_fused_rms_norm_backward",
     "dynamo_graph_arg",
+    "enable_python_dispatcher",
     "fake_mode_of",
     "get_backed_size_oblivious",
     "has_dynamo_graph_arg",
@@ -442,6 +443,19 @@ def inductor_virtual_fake_mode(fake_mode: Any) -> contextlib.AbstractContextMana
     from torch._inductor.virtualized import V
 
     return V.set_fake_mode(fake_mode)
+
+
+def enable_python_dispatcher() -> contextlib.AbstractContextManager[Any]:
+    """The Python dispatcher, on while tracing with ``make_fx`` over fake tensors with
+    symbolic sizes (CompositeImplicit ops then decompose with SymInts, as AOTAutograd and
+    Inductor's ``fwd_only`` trace them).
+
+    ``torch._dispatch.python.enable_python_dispatcher``: checked on 2.13; AOTAutograd
+    uses it (2.11 to 2.14). If it moved, graphgear's pre-grad fusions and decomposed
+    attention replacements could not trace graphs with dynamic shapes."""
+    from torch._dispatch.python import enable_python_dispatcher as enable
+
+    return enable()
 
 
 def pattern_matcher_pass(name: str) -> Any:

@@ -46,6 +46,7 @@ __all__ = [
     "GraphPass",
     "PassManager",
     "UserPass",
+    "check_disabled_passes",
     "default_passes",
     "pass_names",
     "post_grad_pass_manager",
@@ -71,6 +72,18 @@ def pass_names() -> list[str]:
         RemoveNoopOps.name, PatternFusion.name, ReinplaceInputs.name, ViewToReshape.name,
         "post_grad_custom_pre_pass", "post_grad_custom_post_pass",
     ]
+
+
+def check_disabled_passes(config: Any) -> None:
+    """Raise ValueError naming every unknown name in ``experimental_config.disabled_passes``
+    (checked when a backend or compiler is built and when ``options=`` change it)."""
+    disabled = set(config.experimental_config.disabled_passes or ())
+    unknown = sorted(disabled - set(pass_names()))
+    if unknown:
+        raise ValueError(
+            f"graphgear: experimental_config.disabled_passes names unknown passes {unknown}; "
+            f"known passes: {pass_names()}. Remove them or use one of the known names."
+        )
 
 
 def post_grad_pass_manager(config: Any) -> PassManager:

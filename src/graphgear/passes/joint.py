@@ -27,7 +27,6 @@ pre-grad stage does not handle, such as dynamic shapes.) Every pass is a :class:
 
 from __future__ import annotations
 
-import contextvars
 import functools
 import logging
 import time
@@ -36,12 +35,16 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from .._torch import (
     FakeTensor,
     FakeTensorMode,
+    enable_python_dispatcher,
     fake_mode_of,
     has_kernel_for_dispatch_key,
+    inductor_decomp_table,
     inductor_remove_noop_ops,
 )
 from ..config import mode_of
@@ -181,120 +184,6 @@ def _rope_inputs(training: bool) -> list[Any]:
     ]
 
 
-# ---------------------------------------------------------------- attention
-
-
-def _attention_fns(dims: tuple[int, int]) -> list[tuple[Any, Any, bool, str]]:
-    """Search/replace pairs for one way of writing ``k^T`` (``k.transpose(*dims)``):
-    ``* scale`` or ``/ inv_scale``, with or without an additive mask."""
-    a, b = dims
-
-    def attn_mul_mask(q: Any, k: Any, v: Any, mask: Any, scale: float) -> Any:
-        s = torch.matmul(q, k.transpose(a, b)) * scale + mask
-        return torch.matmul(torch.softmax(s, dim=-1), v)
-
-    def attn_div_mask(q: Any, k: Any, v: Any, mask: Any, inv_scale: float) -> Any:
-        s = torch.matmul(q, k.transpose(a, b)) / inv_scale + mask
-        return torch.matmul(torch.softmax(s, dim=-1), v)
-
-    def attn_mul(q: Any, k: Any, v: Any, scale: float) -> Any:
-        return torch.matmul(torch.softmax(torch.matmul(q, k.transpose(a, b)) * scale, dim=-1), v)
-
-    def attn_div(q: Any, k: Any, v: Any, inv_scale: float) -> Any:
-        return torch.matmul(torch.softmax(torch.matmul(q, k.transpose(a, b)) / inv_scale, dim=-1), v)
-
-    return [
-        (attn_mul_mask, _sdpa_mul_mask, True, "scale"),
-        (attn_div_mask, _sdpa_div_mask, True, "inv_scale"),
-        (attn_mul, _sdpa_mul, False, "scale"),
-        (attn_div, _sdpa_div, False, "inv_scale"),
-    ]
-
-
-# k.transpose(2, 3) (Llama), (-2, -1), (-1, -2) (GPT-2): the matcher compares them exactly
-_TRANSPOSES = ((2, 3), (-2, -1), (-1, -2))
-
-
-def _sdpa_mul_mask(q: Any, k: Any, v: Any, mask: Any, scale: float) -> Any:
-    return aten.scaled_dot_product_attention.default(q, k, v, attn_mask=mask, scale=scale)
-
-
-def _sdpa_div_mask(q: Any, k: Any, v: Any, mask: Any, inv_scale: float) -> Any:
-    return aten.scaled_dot_product_attention.default(q, k, v, attn_mask=mask, scale=1.0 / inv_scale)
-
-
-def _sdpa_mul(q: Any, k: Any, v: Any, scale: float) -> Any:
-    return aten.scaled_dot_product_attention.default(q, k, v, scale=scale)
-
-
-def _sdpa_div(q: Any, k: Any, v: Any, inv_scale: float) -> Any:
-    return aten.scaled_dot_product_attention.default(q, k, v, scale=1.0 / inv_scale)
-
-
-_SOFTMAX_REDUCTIONS = (aten._softmax.default, aten.amax.default, aten.sum.dim_IntList,
-                       aten._softmax_backward_data.default)
-
-
-# the devices the attention patterns skip in the graph being searched (set by
-# AttentionFusion around its search; the pattern's check reads it)
-_SKIP_DEVICES: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar(
-    "graphgear_attention_skip_devices", default=())
-
-
-def _attn_check(match: Any) -> bool:
-    q, k, v = (node_val(match.kwargs.get(n)) for n in ("q", "k", "v"))
-    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
-        return False
-    if q.device.type in _SKIP_DEVICES.get():
-        return False
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        return False
-    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float32, torch.float64,
-                                                              torch.float16, torch.bfloat16):
-        return False
-    if q.shape[:2] != k.shape[:2] or k.shape[:2] != v.shape[:2] or q.shape[-1] != k.shape[-1] \
-            or k.shape[-2] != v.shape[-2]:
-        return False
-    mask = node_val(match.kwargs.get("mask")) if "mask" in match.kwargs else None
-    scores_shape = (*q.shape[:-1], k.shape[-2])
-    if mask is not None:
-        if not isinstance(mask, torch.Tensor) or mask.dtype != q.dtype:
-            return False  # bool masks select with -inf / finfo.min: other semantics
-        try:
-            if torch.broadcast_shapes(mask.shape, scores_shape) != torch.Size(scores_shape):
-                return False
-        except RuntimeError:
-            return False
-    for n in _nodes(match, aten.permute.default):
-        dims = list(n.args[1])
-        if dims != [0, 1, 3, 2]:
-            return False
-    for n in _nodes(match, aten.transpose.int):
-        if sorted(d % 4 for d in n.args[1:3]) != [2, 3]:
-            return False
-    for n in _nodes(match, *_SOFTMAX_REDUCTIONS):
-        dim = n.args[1]
-        val = node_val(n.args[0])
-        rank = val.dim() if isinstance(val, torch.Tensor) else 4
-        if not _is_last_dim(dim, rank):
-            return False
-    for n in _nodes(match, aten._softmax.default):
-        if n.args[2]:  # half_to_float
-            return False
-    return True
-
-
-def _attn_inputs(training: bool, with_mask: bool) -> list[Any]:
-    def t() -> torch.Tensor:
-        return torch.randn(2, 4, 8, 16, requires_grad=training)
-
-    out: list[Any] = [t(), t(), t()]
-    if with_mask:
-        out.append(torch.randn(2, 1, 8, 8))
-    out.append(0.25)
-    return out
-
-
 # ---------------------------------------------------------------- registry
 
 
@@ -312,12 +201,6 @@ def builtin_patterns() -> PatternSet:
             ps.add(f"rotary{sfx}", Replacement(
                 fn.__name__, fn, _rope_replace, functools.partial(_rope_inputs, training),
                 extra_check=_rope_check, training=training))
-        for dims in _TRANSPOSES:
-            for search, repl, mask, scalar in _attention_fns(dims):
-                ps.add(f"attention{sfx}", Replacement(
-                    f"{search.__name__}_t{dims[0]}{dims[1]}", search, repl,
-                    functools.partial(_attn_inputs, training, mask),
-                    extra_check=_attn_check, scalar_workaround={scalar: 0.25}, training=training))
     return ps
 
 
@@ -362,22 +245,19 @@ def attention_skip_devices(config: Any) -> tuple[str, ...]:
     return () if mode_of(config) == "eager" else ("cpu",)
 
 
-class AttentionFusion(_FusionPass):
-    """Inference graphs without decompositions: the layout-agnostic matcher of
-    :mod:`graphgear.passes.attention`; other graphs: the traced patterns."""
+class AttentionFusion(GraphPass):
+    """The hand matcher of :mod:`graphgear.passes.attention`, on every graph the joint
+    passes see (inference, pre-grad training, joint); a graph made with Inductor's
+    decompositions gets the replacement traced with them."""
 
     name = "attention_fusion"
-    group = "attention"
+
+    def enabled(self, config: Any) -> bool:
+        return bool(config.experimental_config.fx_passes)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], config: Any) -> int:
-        skip = attention_skip_devices(config)
-        if _kind_of(gm, config) == "aten" and not _is_joint(gm):
-            return fuse_attention(gm, skip_devices=skip)
-        token = _SKIP_DEVICES.set(skip)
-        try:
-            return super().__call__(gm, example_inputs, config)
-        finally:
-            _SKIP_DEVICES.reset(token)
+        table = inductor_decomp_table() if _kind_of(gm, config) == "inductor" else None
+        return fuse_attention(gm, skip_devices=attention_skip_devices(config), decompositions=table)
 
 
 class NormalizeNoops(GraphPass):
@@ -448,23 +328,20 @@ def pre_grad_fusions(gm: fx.GraphModule, example_inputs: Sequence[Any], config: 
     """
     if not config.experimental_config.fx_passes or not _needs_grad(example_inputs):
         return None
-    if not all(isinstance(t, torch.Tensor) for t in example_inputs):
+    if not all(isinstance(t, torch.Tensor | torch.SymInt | int) for t in example_inputs):
         return None
     if any(True for _ in gm.parameters()) or any(True for _ in gm.buffers()):
         return None  # make_fx would turn them into constants: no gradients, lost writes
-    from torch.fx.experimental.proxy_tensor import make_fx
-    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols, is_concrete_int
-
     fake_mode = fake_mode_of(example_inputs)
     try:
         if fake_mode is None:
             fake_mode = FakeTensorMode()
-        fakes = [fake_mode.from_tensor(t) if not isinstance(t, FakeTensor) else t
-                 for t in example_inputs]
-        if any(not all(is_concrete_int(s) for s in (*t.shape, *t.stride())) or free_unbacked_symbols(t)
-               for t in fakes):
-            return None  # symbolic shapes: left to the joint passes
-        with fake_mode, torch.no_grad():
+        fakes = [fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor)
+                 else t for t in example_inputs]
+        if any(isinstance(t, torch.Tensor) and free_unbacked_symbols(t) for t in fakes):
+            return None  # data-dependent sizes: left to the joint passes
+        # symbolic sizes trace as AOTAutograd traces them: the Python dispatcher on
+        with fake_mode, enable_python_dispatcher(), torch.no_grad():
             traced = make_fx(torch.func.functionalize(gm, remove="mutations"),
                              tracing_mode="real")(*fakes)
     except Exception as e:  # noqa: BLE001 - any trace failure leaves the graph as it is
