@@ -139,6 +139,7 @@ _PRIVATE_TORCH = re.compile(
     # private attributes of public torch objects (ops, FX nodes, make_fx options)
     r"|\._schema\b|\._opname\b|\._overloadname\b|\._qualified_op_name\b|\._erased\b"
     r"|\b_allow_non_fake_inputs\b"
+    r"|\b_boxed_call\b"
 )
 
 #: Patterns of private-looking torch names judged public, allowed anywhere. Empty on

@@ -27,6 +27,7 @@ from .._torch import (
     FakeTensor,
     FakeTensorMode,
     TracingContext,
+    boxed_convention,
     count_tangents,
     inductor_compile_fx_inner,
     inductor_config_patch,
@@ -108,10 +109,10 @@ def compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: Com
     if spec is None:
         return compiled
 
+    @boxed_convention
     def unflatten(args: list[Any]) -> Any:
         return pytree.tree_unflatten(list(compiled(args)), spec)
 
-    unflatten._boxed_call = True  # type: ignore[attr-defined]
     return unflatten
 
 

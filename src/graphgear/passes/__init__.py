@@ -4,7 +4,8 @@
 the user's pre pass, ``remove_noop_ops``, ``pattern_fusion`` (registered replacements),
 ``reinplace_inputs`` (in-place recovery), ``view_to_reshape``, the user's post pass.
 The joint-graph fusion passes (``experimental_config.fx_passes``) run earlier, on the
-joint or inference graph: see :mod:`graphgear.passes.joint`.
+inference graph, or on a training graph's forward before differentiation (the joint
+graph where that cannot run): see :mod:`graphgear.passes.joint`.
 
 Every pass is switchable: its own option where it has one (``remove_noop_ops``,
 ``pattern_fusion_pass``, ``fx_passes``), and by name in

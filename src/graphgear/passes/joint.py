@@ -1,27 +1,33 @@
 """Joint-graph fusion passes (``experimental_config.fx_passes``).
 
-Run on the joint forward+backward graph before partitioning (training) and on the
-inference graph (no grad). Each rewrites a pattern models write by hand into one fused
-op, only where the fused op computes what the pattern computes:
+Run on the inference graph (no grad) and on training graphs. Each rewrites a pattern
+models write by hand into one fused op, only where the fused op computes what the
+pattern computes:
 
 * ``rms_norm_fusion``: ``w * (x * rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))`` (either
   order of the outer product) → ``aten._fused_rms_norm`` (float32/float64, 1-D weight
   over the last dim), on devices where that op has a kernel (not the CPU: there it is
-  CompositeImplicit and would trace straight back to the pattern).
+  CompositeImplicit and would trace straight back to the pattern). A traced pattern.
 * ``rotary_fusion``: ``x * cos + rotate_half(x) * sin`` with
   ``rotate_half(x) = cat(-x[..., h:], x[..., :h])`` → ``graphgear::rotary_rotate_half``.
+  A traced pattern.
 * ``attention_fusion``: ``softmax(q @ k^T * scale [+ mask]) @ v`` (or ``/ inv_scale``),
-  float mask added, softmax over the last dim → ``aten.scaled_dot_product_attention``;
-  on the CPU only under ``debug.run_eagerly``: where Inductor generates the code
-  (max-autotune, reduce-overhead's CPU graph) its attention was measured faster than
-  the CPU SDPA kernel on the decoder step.
+  float mask added, softmax over the last dim → ``aten.scaled_dot_product_attention``,
+  by the layout-agnostic matcher of :mod:`graphgear.passes.attention` (every graph kind,
+  with or without Inductor's decompositions); on the CPU only under
+  ``debug.run_eagerly``: where Inductor generates the code (max-autotune,
+  reduce-overhead's CPU graph) its attention was measured faster than the CPU SDPA
+  kernel on the decoder step.
 
 Training graphs are fused before AOTAutograd differentiates them
-(:func:`pre_grad_fusions`): the forward patterns are rewritten to the fused ops, whose
-autograd formulas give the backward. (In a joint graph autograd interleaves other
-gradients, such as the residual's, into the pattern's backward, so the traced
-forward+backward patterns rarely appear; they remain the fallback for graphs the
-pre-grad stage does not handle, such as dynamic shapes.) Every pass is a :class:`GraphPass`, run by a
+(:func:`pre_grad_fusions`, static and symbolic sizes alike): the forward patterns are
+rewritten to the fused ops, whose autograd formulas give the backward. Where that stage
+cannot run (non-tensor, non-integer inputs, parameters held as graph attributes,
+data-dependent input sizes, a failed trace) the passes run on the joint forward+backward
+graph instead: RMSNorm and rotary by their patterns traced forward and backward
+together (which rarely appear whole: autograd interleaves other gradients, such as the
+residual's, into them), attention only where it is not differentiated (see
+:mod:`graphgear.passes.attention`). Every pass is a :class:`GraphPass`, run by a
 :class:`PassManager` (timed, dumped, switchable).
 """
 
@@ -317,14 +323,16 @@ def pre_grad_fusions(gm: fx.GraphModule, example_inputs: Sequence[Any], config: 
     """Training graphs: the fusions on the forward graph, before AOTAutograd differentiates it.
 
     In a joint graph autograd interleaves other gradients (the residual's) into the
-    pattern's backward, so the traced forward+backward patterns rarely appear. Here the
-    dynamo graph is traced to a functional aten graph (no decompositions), the forward
-    patterns are rewritten to the fused ops (each has an autograd formula), and the
-    result is what AOTAutograd traces: fused forward and backward. Returns the graph for
-    AOTAutograd (the rewritten one, or ``gm`` itself where nothing matched), or None where
-    the graph is not one this handles (inference, dynamic shapes, non-tensor inputs,
-    parameters held as attributes, a trace failure): the joint-graph passes then run as
-    before.
+    pattern's backward, so traced forward+backward patterns rarely appear, and an
+    attention's backward cannot be rewritten there at all. Here the dynamo graph is
+    traced to a functional aten graph (no decompositions; symbolic sizes traced as
+    AOTAutograd traces them, with the Python dispatcher on), the forward patterns are
+    rewritten to the fused ops (each has an autograd formula), and the result is what
+    AOTAutograd traces: fused forward and backward. Returns the graph for AOTAutograd
+    (the rewritten one, or ``gm`` itself where nothing matched), or None where the graph
+    is not one this handles (inference, inputs other than tensors and integers,
+    parameters held as attributes, data-dependent input sizes, a trace failure): the
+    joint-graph passes then run on the joint graph.
     """
     if not config.experimental_config.fx_passes or not _needs_grad(example_inputs):
         return None
