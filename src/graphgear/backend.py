@@ -20,11 +20,13 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import fx
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from . import debug
 from ._torch import (
@@ -157,7 +159,6 @@ def decompose_aten_graph(
     when they are fake, keeping their symbolic sizes), so no real work runs."""
     if not table:
         return gm
-    from torch.fx.experimental.proxy_tensor import make_fx
 
     fake_mode = fake_mode_of(example_inputs)
     with unset_fake_temporarily(), tracing(None):
@@ -313,8 +314,6 @@ def _is_aten_graph(gm: fx.GraphModule) -> bool:
         if n.op == "call_module":
             return False
         if n.op == "call_function" and not isinstance(n.target, OpOverload):
-            import operator
-
             if n.target not in (operator.getitem,):
                 return False
         if n.op == "call_method":

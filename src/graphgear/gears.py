@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from ._torch import FakeTensor, get_backed_size_oblivious, mark_dynamic, set_backed_size_oblivious
 from .errors import GearError
@@ -88,8 +89,6 @@ def set_dim_gears(t: torch.Tensor, dim_gears: dict[int, list[int] | tuple[int, .
 def guard_gears_shape(example_inputs: Any, names: Sequence[str] = ()) -> None:
     """Check that every concrete size of a geared dim is one of its gears (a dim that
     dynamo specialised to one size)."""
-    from torch.fx.experimental.symbolic_shapes import is_concrete_int
-
     for i, x in enumerate(example_inputs):
         if not isinstance(x, torch.Tensor):
             continue
