@@ -45,6 +45,7 @@ from torch import fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from .._torch import enable_python_dispatcher, fake_mode_of, node_erased
+from ..shapes import known_equal
 from .manager import node_val
 
 aten = torch.ops.aten
@@ -92,7 +93,7 @@ def _unflat(n: object) -> tuple[fx.Node, list[fx.Node]] | None:
     src = cur.args[0]
     vs, ve = node_val(src), node_val(cur)
     if not isinstance(src, fx.Node) or not isinstance(vs, torch.Tensor) \
-            or not isinstance(ve, torch.Tensor) or vs.dim() != 4 or vs.shape != ve.shape:
+            or not isinstance(ve, torch.Tensor) or vs.dim() != 4 or not known_equal(vs.shape, ve.shape):
         return None
     passed.append(cur)
     return src, passed
@@ -217,20 +218,21 @@ def _match(start: fx.Node) -> tuple[dict[str, Any], list[fx.Node], fx.Node] | No
         return None
     if not (vq.dtype == vk.dtype == vv.dtype) or vq.dtype not in _FLOATS:  # type: ignore[union-attr]
         return None
-    if vq.shape[:2] != vk.shape[:2] or vk.shape[:2] != vv.shape[:2] \
-            or vq.shape[-1] != vk.shape[-1] or vk.shape[-2] != vv.shape[-2]:  # type: ignore[union-attr,index]
+    # sizes compared without adding guards (symbolic sizes stay symbolic)
+    if not known_equal(vq.shape[:2], vk.shape[:2]) or not known_equal(vk.shape[:2], vv.shape[:2]) \
+            or not known_equal(vq.shape[-1], vk.shape[-1]) \
+            or not known_equal(vk.shape[-2], vv.shape[-2]):  # type: ignore[union-attr,index]
         return None
-    if tuple(vo.shape) != (*vq.shape[:-1], vv.shape[-1]):  # type: ignore[union-attr,index]
+    if not known_equal(tuple(vo.shape), (*vq.shape[:-1], vv.shape[-1])):  # type: ignore[union-attr,index]
         return None
     if mask is not None:
         vm = node_val(mask)
-        scores_shape = torch.Size((*vq.shape[:-1], vk.shape[-2]))  # type: ignore[union-attr,index]
+        scores_shape = (*vq.shape[:-1], vk.shape[-2])  # type: ignore[union-attr,index]
         if not isinstance(vm, torch.Tensor) or vm.dtype != vq.dtype:  # type: ignore[union-attr]
             return None  # bool masks select with -inf / finfo.min: other semantics
-        try:
-            if torch.broadcast_shapes(vm.shape, scores_shape) != scores_shape:
-                return None
-        except RuntimeError:
+        # broadcasts to the scores: each of its dims (from the end) is 1 or the scores'
+        if vm.dim() > 4 or not all(known_equal(m, 1) or known_equal(m, d)
+                                   for m, d in zip(reversed(vm.shape), reversed(scores_shape))):
             return None
     return {"q": q, "k": k, "v": v, "mask": mask, "scale": scale}, nodes, out
 
