@@ -383,29 +383,57 @@ def _rotary_and_attention(x, q, k, v, cos, sin):
     return rot.sum() + attn.square().sum()
 
 
+def _biased_attention(x, w, b, k, v, cos, sin):
+    q = torch.nn.functional.linear(x, w, b).transpose(1, 2)  # (batch, seq, heads, 8) -> heads first
+    return _rotary_and_attention(q, q, k, v, cos, sin)
+
+
 def test_training_with_dynamic_shapes_is_fused_before_differentiation():
     """Symbolic sizes: the forward is traced with them and fused before AOTAutograd,
-    attention included; one graph serves another batch size, gradients equal eager."""
+    attention included, without specialising the dynamic batch (a biased linear on a 4-D
+    input did, through functionalization: the batch dim is marked dynamic, so dynamo
+    would raise); one graph serves another batch size, gradients equal eager."""
 
-    f = _rotary_and_attention
+    f = _biased_attention
     cf = torch.compile(f, backend=graphgear.get_backend(eager_config(fx_passes=True)))
     for batch in (2, 3):
-        x = torch.randn(batch, 4, 6, 8, requires_grad=True)
-        q, k, v = (torch.randn(batch, 4, 6, 8, requires_grad=True) for _ in range(3))
-        cos, sin = torch.randn(1, 1, 6, 8), torch.randn(1, 1, 6, 8)
+        g = torch.Generator().manual_seed(batch)
+        x = torch.randn(batch, 6, 4, 8, generator=g, requires_grad=True)
+        w = torch.randn(8, 8, generator=g, requires_grad=True)
+        b = torch.randn(8, generator=g, requires_grad=True)
+        k, v = (torch.randn(batch, 4, 6, 8, generator=g, requires_grad=True) for _ in range(2))
+        cos, sin = torch.randn(1, 1, 6, 8, generator=g), torch.randn(1, 1, 6, 8, generator=g)
+        leaves = (x, w, b, k, v)
         if batch == 2:
-            for t in (x, q, k, v):
+            for t in (x, k, v):
                 torch._dynamo.mark_dynamic(t, 0)
-        cf(x, q, k, v, cos, sin).backward()
-        grads = [t.grad for t in (x, q, k, v)]
-        for t in (x, q, k, v):
+        cf(x, w, b, k, v, cos, sin).backward()
+        grads = [t.grad for t in leaves]
+        for t in leaves:
             t.grad = None
-        f(x, q, k, v, cos, sin).backward()
-        for g, t in zip(grads, (x, q, k, v)):
-            assert_close(g, t.grad, reduction=8)
+        f(x, w, b, k, v, cos, sin).backward()
+        for got, t in zip(grads, leaves):
+            assert_close(got, t.grad, reduction=64)
     (entry,) = graphgear.stats().joint  # batch 3 ran the same graph
     assert entry["training"] and entry["pre_grad"]
     assert entry["matches"]["rotary_fusion"] == 1 and entry["matches"]["attention_fusion"] == 1
+
+
+def test_training_with_dynamic_shapes_and_a_buffer_write_uses_the_joint_graph():
+    """A symbolic graph that writes a buffer is traced without functionalization, so it
+    is left to the joint passes (as the toy decoder's KV cache in training)."""
+    run_decoder_dynamic = ToyDecoder(DecoderConfig(num_layers=1))
+    ref = copy.deepcopy(run_decoder_dynamic)
+    cf = torch.compile(run_decoder_dynamic, backend=graphgear.get_backend(eager_config(fx_passes=True)))
+    tok, pos = torch.tensor([[3], [4]]), torch.tensor([5])
+    torch._dynamo.mark_dynamic(tok, 0)
+    cf(tok, pos).square().sum().backward()
+    ref(tok, pos).square().sum().backward()
+    for (name, p), (_, q) in zip(run_decoder_dynamic.named_parameters(), ref.named_parameters()):
+        assert_close(p.grad, q.grad, reduction=4096, what=name)
+    (entry,) = graphgear.stats().joint
+    assert entry["training"] and not entry["pre_grad"]
+    assert entry["matches"]["rotary_fusion"] == 2
 
 
 def test_joint_graph_fallback_never_rewrites_a_differentiated_attention(monkeypatch):

@@ -47,11 +47,13 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from .._torch import (
     FakeTensor,
     FakeTensorMode,
+    OpOverload,
     enable_python_dispatcher,
     fake_mode_of,
     has_kernel_for_dispatch_key,
     inductor_decomp_table,
     inductor_remove_noop_ops,
+    op_schema,
 )
 from ..config import mode_of
 from ..stats import record_joint_passes
@@ -314,6 +316,10 @@ def joint_graph_passes(gm: fx.GraphModule, example_inputs: Sequence[Any], config
 # ---------------------------------------------------------------- training: before autograd
 
 
+def _has_symbols(t: torch.Tensor) -> bool:
+    return any(isinstance(s, torch.SymInt) for s in (*t.shape, *t.stride()))
+
+
 def _needs_grad(example_inputs: Sequence[Any]) -> bool:
     return torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs)
@@ -348,10 +354,15 @@ def pre_grad_fusions(gm: fx.GraphModule, example_inputs: Sequence[Any], config: 
                  else t for t in example_inputs]
         if any(isinstance(t, torch.Tensor) and free_unbacked_symbols(t) for t in fakes):
             return None  # data-dependent sizes: left to the joint passes
+        symbolic = any(isinstance(t, torch.SymInt) or (isinstance(t, torch.Tensor) and _has_symbols(t))
+                       for t in fakes)
         # symbolic sizes trace as AOTAutograd traces them: the Python dispatcher on
         with fake_mode, enable_python_dispatcher(), torch.no_grad():
-            traced = make_fx(torch.func.functionalize(gm, remove="mutations"),
+            traced = make_fx(gm if symbolic else torch.func.functionalize(gm, remove="mutations"),
                              tracing_mode="real")(*fakes)
+        if symbolic and any(isinstance(n.target, OpOverload) and op_schema(n.target).is_mutable
+                            for n in traced.graph.nodes):
+            return None
     except Exception as e:  # noqa: BLE001 - any trace failure leaves the graph as it is
         log.debug("graphgear: pre-grad fusions skipped, trace failed: %s", e)
         return None
