@@ -23,7 +23,8 @@ Training graphs are fused before AOTAutograd differentiates them
 (:func:`pre_grad_fusions`, static and symbolic sizes alike): the forward patterns are
 rewritten to the fused ops, whose autograd formulas give the backward. Where that stage
 cannot run (non-tensor, non-integer inputs, parameters held as graph attributes,
-data-dependent input sizes, a failed trace) the passes run on the joint forward+backward
+data-dependent input sizes, symbolic sizes in a graph that writes a buffer such as a
+KV cache, a failed trace) the passes run on the joint forward+backward
 graph instead: RMSNorm and rotary by their patterns traced forward and backward
 together (which rarely appear whole: autograd interleaves other gradients, such as the
 residual's, into them), attention only where it is not differentiated (see
@@ -332,12 +333,14 @@ def pre_grad_fusions(gm: fx.GraphModule, example_inputs: Sequence[Any], config: 
     pattern's backward, so traced forward+backward patterns rarely appear, and an
     attention's backward cannot be rewritten there at all. Here the dynamo graph is
     traced to a functional aten graph (no decompositions; symbolic sizes traced as
-    AOTAutograd traces them, with the Python dispatcher on), the forward patterns are
+    AOTAutograd traces them, with the Python dispatcher on, and only where the graph
+    writes nothing, as functionalization would specialise them), the forward patterns are
     rewritten to the fused ops (each has an autograd formula), and the result is what
     AOTAutograd traces: fused forward and backward. Returns the graph for AOTAutograd
     (the rewritten one, or ``gm`` itself where nothing matched), or None where the graph
     is not one this handles (inference, inputs other than tensors and integers,
-    parameters held as attributes, data-dependent input sizes, a trace failure): the
+    parameters held as attributes, data-dependent input sizes, symbolic sizes with an
+    in-place write, a trace failure): the
     joint-graph passes then run on the joint graph.
     """
     if not config.experimental_config.fx_passes or not _needs_grad(example_inputs):
@@ -356,7 +359,10 @@ def pre_grad_fusions(gm: fx.GraphModule, example_inputs: Sequence[Any], config: 
             return None  # data-dependent sizes: left to the joint passes
         symbolic = any(isinstance(t, torch.SymInt) or (isinstance(t, torch.Tensor) and _has_symbols(t))
                        for t in fakes)
-        # symbolic sizes trace as AOTAutograd traces them: the Python dispatcher on
+        # symbolic sizes trace as AOTAutograd traces them: the Python dispatcher on, and
+        # no torch.func.functionalize, whose wrappers read concrete sizes (a biased
+        # linear on a 3-D input specialised the batch); a graph that writes is left to
+        # the joint passes
         with fake_mode, enable_python_dispatcher(), torch.no_grad():
             traced = make_fx(gm if symbolic else torch.func.functionalize(gm, remove="mutations"),
                              tracing_mode="real")(*fakes)
