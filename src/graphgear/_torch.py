@@ -24,11 +24,13 @@ protocol (:func:`boxed_convention`, :func:`is_boxed`) and ``make_fx``'s
 are public op names and used where needed.
 
 Version notes: "checked on 2.13" means the name was imported and exercised by the test
-suite on torch 2.13.0 (CPU build). The 2.11 to 2.14 range is what the project claims;
-where an item could not be checked on other versions the note names the torch code that
-uses the same API in 2.13, which is what keeps it stable in practice.
+suite on torch 2.13.0 (CPU build). The project claims 2.13 and 2.14 (pyproject), the
+versions its core suite ran on; "2.11 to 2.14" in a note says the name is in those
+releases' sources. Where an item could not be checked on other versions the note names
+the torch code that uses the same API in 2.13, which is what keeps it stable in practice.
 
-Tested on torch 2.13.0 (CPU build, CI) and 2.11.0 (CUDA 13 build, on a lent H200).
+Tested on torch 2.13.0 (CPU build, CI) and 2.14.1 (CUDA build, core suite on the CPU,
+``scripts/torch_matrix.sh``); the CUDA tests ran once on 2.11.0 (CUDA 13, a lent H200).
 """
 
 from __future__ import annotations
