@@ -376,21 +376,90 @@ def test_fusions_do_not_fire_where_the_pattern_differs(variant, rms_kernel):
     assert entry["matches"]["attention_fusion"] == 0
 
 
-def test_training_with_dynamic_shapes_falls_back_to_joint_passes():
-    def f(x, cos, sin):
-        h = x.shape[-1] // 2
-        return (x * cos + torch.cat((-x[..., h:], x[..., :h]), -1) * sin).sum()
+def _rotary_and_attention(x, q, k, v, cos, sin):
+    h = x.shape[-1] // 2
+    rot = x * cos + torch.cat((-x[..., h:], x[..., :h]), -1) * sin
+    attn = torch.matmul(torch.softmax(torch.matmul(q, k.transpose(-2, -1)) * 0.25, dim=-1), v)
+    return rot.sum() + attn.square().sum()
 
-    x = torch.randn(2, 4, 6, 8, requires_grad=True)
-    cos, sin = torch.randn(1, 1, 6, 8), torch.randn(1, 1, 6, 8)
-    torch._dynamo.mark_dynamic(x, 0)
-    torch.compile(f, backend=graphgear.get_backend(eager_config(fx_passes=True)))(x, cos, sin).backward()
-    grad, x.grad = x.grad, None
-    f(x, cos, sin).backward()
-    assert_close(grad, x.grad, reduction=8)
+
+def _biased_attention(x, w, b, k, v, cos, sin):
+    q = torch.nn.functional.linear(x, w, b).transpose(1, 2)  # (batch, seq, heads, 8) -> heads first
+    return _rotary_and_attention(q, q, k, v, cos, sin)
+
+
+def test_training_with_dynamic_shapes_is_fused_before_differentiation():
+    """Symbolic sizes: the forward is traced with them and fused before AOTAutograd,
+    attention included, without specialising the dynamic batch (a biased linear on a 4-D
+    input did, through functionalization: the batch dim is marked dynamic, so dynamo
+    would raise); one graph serves another batch size, gradients equal eager."""
+
+    f = _biased_attention
+    cf = torch.compile(f, backend=graphgear.get_backend(eager_config(fx_passes=True)))
+    for batch in (2, 3):
+        g = torch.Generator().manual_seed(batch)
+        x = torch.randn(batch, 6, 4, 8, generator=g, requires_grad=True)
+        w = torch.randn(8, 8, generator=g, requires_grad=True)
+        b = torch.randn(8, generator=g, requires_grad=True)
+        k, v = (torch.randn(batch, 4, 6, 8, generator=g, requires_grad=True) for _ in range(2))
+        cos, sin = torch.randn(1, 1, 6, 8, generator=g), torch.randn(1, 1, 6, 8, generator=g)
+        leaves = (x, w, b, k, v)
+        if batch == 2:
+            for t in (x, k, v):
+                torch._dynamo.mark_dynamic(t, 0)
+        cf(x, w, b, k, v, cos, sin).backward()
+        grads = [t.grad for t in leaves]
+        for t in leaves:
+            t.grad = None
+        f(x, w, b, k, v, cos, sin).backward()
+        for got, t in zip(grads, leaves):
+            assert_close(got, t.grad, reduction=64)
+    (entry,) = graphgear.stats().joint  # batch 3 ran the same graph
+    assert entry["training"] and entry["pre_grad"]
+    assert entry["matches"]["rotary_fusion"] == 1 and entry["matches"]["attention_fusion"] == 1
+
+
+def test_training_with_dynamic_shapes_and_a_buffer_write_uses_the_joint_graph():
+    """A symbolic graph that writes a buffer is traced without functionalization, so it
+    is left to the joint passes (as the toy decoder's KV cache in training)."""
+    run_decoder_dynamic = ToyDecoder(DecoderConfig(num_layers=1))
+    ref = copy.deepcopy(run_decoder_dynamic)
+    cf = torch.compile(run_decoder_dynamic, backend=graphgear.get_backend(eager_config(fx_passes=True)))
+    tok, pos = torch.tensor([[3], [4]]), torch.tensor([5])
+    torch._dynamo.mark_dynamic(tok, 0)
+    cf(tok, pos).square().sum().backward()
+    ref(tok, pos).square().sum().backward()
+    for (name, p), (_, q) in zip(run_decoder_dynamic.named_parameters(), ref.named_parameters()):
+        assert_close(p.grad, q.grad, reduction=4096, what=name)
     (entry,) = graphgear.stats().joint
-    assert entry["training"] and not entry["pre_grad"]  # symbolic sizes: the joint graph
+    assert entry["training"] and not entry["pre_grad"]
+    assert entry["matches"]["rotary_fusion"] == 2
+
+
+def test_joint_graph_fallback_never_rewrites_a_differentiated_attention(monkeypatch):
+    """Where the pre-grad trace fails, the fusions run on the joint graph: rotary by its
+    traced forward+backward pattern; an attention whose backward reads its
+    intermediates is left alone. Gradients equal eager either way."""
+    import graphgear.passes.joint as joint
+
+    def failing_make_fx(*args, **kwargs):
+        raise RuntimeError("simulated pre-grad trace failure")
+
+    monkeypatch.setattr(joint, "make_fx", failing_make_fx)
+    cf = torch.compile(_rotary_and_attention, backend=graphgear.get_backend(eager_config(fx_passes=True)))
+    args = [torch.randn(2, 4, 6, 8, requires_grad=True) for _ in range(4)]
+    args += [torch.randn(1, 1, 6, 8), torch.randn(1, 1, 6, 8)]
+    cf(*args).backward()
+    grads = [t.grad for t in args[:4]]
+    for t in args[:4]:
+        t.grad = None
+    _rotary_and_attention(*args).backward()
+    for g, t in zip(grads, args[:4]):
+        assert_close(g, t.grad, reduction=8)
+    (entry,) = graphgear.stats().joint
+    assert entry["training"] and not entry["pre_grad"], entry
     assert entry["matches"]["rotary_fusion"] == 1
+    assert entry["matches"]["attention_fusion"] == 0
 
 
 @pytest.mark.parametrize("variant", ["pow3", "dim0"])
@@ -425,6 +494,85 @@ def test_attention_with_bool_mask_is_not_rewritten():
     out = torch.compile(f, backend=graphgear.get_backend(eager_config(fx_passes=True)))(q, k, v, mask)
     assert_close(out, f(q, k, v, mask), reduction=8)
     assert graphgear.stats().joint[-1]["matches"]["attention_fusion"] == 0
+
+
+# ---------------------------------------------------------------- the attention matcher, by layout
+
+
+def _attention_case(layout: str, dtype: torch.dtype):
+    g = torch.Generator().manual_seed(3)
+
+    def r(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    mask = r(2, 1, 6, 6)
+    if layout == "contiguous":
+        args = (r(2, 4, 6, 8), r(2, 4, 6, 8), r(2, 4, 6, 8), mask)
+
+        def f(q, k, v, mask):
+            return torch.matmul(torch.softmax(torch.matmul(q, k.transpose(-2, -1)) * 0.3 + mask, -1), v)
+    elif layout == "transposed_q":  # q as projections give it: (b, s, h, d).transpose(1, 2)
+        args = (r(2, 6, 4, 8), r(2, 4, 6, 8), r(2, 6, 4, 8))
+
+        def f(q, k, v):
+            q, v = q.transpose(1, 2), v.transpose(1, 2)
+            return torch.matmul(torch.softmax(torch.matmul(q, k.transpose(2, 3)) / 2.5, dim=-1), v)
+    elif layout == "repeat_kv":  # grouped keys and values, expanded to the heads
+        args = (r(2, 4, 6, 8), r(2, 2, 6, 8), r(2, 2, 6, 8), mask)
+
+        def f(q, k, v, mask):
+            k = k[:, :, None].expand(2, 2, 2, 6, 8).reshape(2, 4, 6, 8)
+            v = v[:, :, None].expand(2, 2, 2, 6, 8).reshape(2, 4, 6, 8)
+            return torch.matmul(torch.softmax(torch.matmul(q, k.transpose(2, 3)) * 0.3 + mask, -1), v)
+    else:  # k^T written as a permute
+        args = (r(2, 4, 6, 8), r(2, 4, 6, 8), r(2, 4, 6, 8))
+
+        def f(q, k, v):
+            return torch.matmul(torch.softmax(torch.matmul(q, k.permute(0, 1, 3, 2)) * 0.3, -1), v)
+    return f, args
+
+
+@pytest.mark.parametrize("decomposed", [False, True], ids=["aten", "inductor-decomposed"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed_q", "repeat_kv", "permute"])
+def test_attention_matcher_every_layout(layout, dtype, decomposed):
+    """One matcher for every matmul layout, on aten graphs and on graphs made with
+    Inductor's decompositions (softmax as amax/exp/sum/div, half cast to float32)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from graphgear._torch import inductor_decomp_table
+    from graphgear.passes.attention import fuse_attention
+
+    f, args = _attention_case(layout, dtype)
+    table = inductor_decomp_table() if decomposed else None
+    gm = make_fx(f, decomposition_table=table, tracing_mode="fake")(*args)
+    gm.graph.eliminate_dead_code()
+    assert fuse_attention(gm, decompositions=table) == 1
+    gm.recompile()
+    targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}
+    assert not targets & {aten._softmax.default, aten.amax.default, aten.exp.default, aten.bmm.default}
+    assert_close(gm(*args), f(*args), reduction=8)
+
+
+@pytest.mark.parametrize("decomposed", [False, True], ids=["aten", "inductor-decomposed"])
+def test_attention_matcher_refuses_other_softmax_dims_and_shared_scores(decomposed):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from graphgear._torch import inductor_decomp_table
+    from graphgear.passes.attention import fuse_attention
+
+    def wrong_dim(q, k, v):
+        return torch.matmul(torch.softmax(torch.matmul(q, k.transpose(-2, -1)) * 0.3, dim=-2), v)
+
+    def scores_read_twice(q, k, v):
+        s = torch.matmul(q, k.transpose(-2, -1)) * 0.3
+        return torch.matmul(torch.softmax(s, dim=-1), v), s.sum()
+
+    args = tuple(torch.randn(2, 4, 6, 6) for _ in range(3))
+    table = inductor_decomp_table() if decomposed else None
+    for f in (wrong_dim, scores_read_twice):
+        gm = make_fx(f, decomposition_table=table, tracing_mode="fake")(*args)
+        assert fuse_attention(gm, decompositions=table) == 0, f.__name__
 
 
 # ---------------------------------------------------------------- fused ops

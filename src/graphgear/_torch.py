@@ -16,17 +16,21 @@ it is ``import torch._dynamo; torch._dynamo.reset()``), ``torch.compiler.config`
 is documented (dynamic-shapes guide) but lives in ``torch._dynamo``, so it is wrapped
 here too; no private name is allowed outside this module.
 
-Left where they are (private attributes of public objects, not modules): an
-``OpOverload``'s ``_schema`` / ``_opname`` / ``_overloadname`` / ``_qualified_op_name``,
-``fx.Node._erased``, AOTAutograd's ``_boxed_call`` protocol, ``make_fx``'s
-``_allow_non_fake_inputs`` keyword, and ATen's underscored ops (``aten._fused_rms_norm``).
+Private attributes of public objects are wrapped here too: an ``OpOverload``'s
+``_schema`` / ``_opname`` / ``_overloadname`` / ``_qualified_op_name`` (:func:`op_schema`
+and friends), ``fx.Node._erased`` (:func:`node_erased`), AOTAutograd's ``_boxed_call``
+protocol (:func:`boxed_convention`, :func:`is_boxed`) and ``make_fx``'s
+``_allow_non_fake_inputs`` keyword. ATen's underscored ops (``aten._fused_rms_norm``)
+are public op names and used where needed.
 
 Version notes: "checked on 2.13" means the name was imported and exercised by the test
-suite on torch 2.13.0 (CPU build). The 2.11 to 2.14 range is what the project claims;
-where an item could not be checked on other versions the note names the torch code that
-uses the same API in 2.13, which is what keeps it stable in practice.
+suite on torch 2.13.0 (CPU build). The project claims 2.13 and 2.14 (pyproject), the
+versions its core suite ran on; "2.11 to 2.14" in a note says the name is in those
+releases' sources. Where an item could not be checked on other versions the note names
+the torch code that uses the same API in 2.13, which is what keeps it stable in practice.
 
-Tested on torch 2.13.0 (CPU build, CI) and 2.11.0 (CUDA 13 build, on a lent H200).
+Tested on torch 2.13.0 (CPU build, CI) and 2.14.1 (CUDA build, core suite on the CPU,
+``scripts/torch_matrix.sh``); the CUDA tests ran once on 2.11.0 (CUDA 13, a lent H200).
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import functools
 import inspect
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -89,6 +93,7 @@ __all__ = [
     "decomp_fused_rms_norm",
     "decomp_fused_rms_norm_backward",
     "dynamo_graph_arg",
+    "enable_python_dispatcher",
     "fake_mode_of",
     "get_backed_size_oblivious",
     "has_dynamo_graph_arg",
@@ -106,6 +111,8 @@ __all__ = [
     "inductor_remove_noop_ops",
     "inductor_virtual_fake_mode",
     "inductor_wrapper_globals",
+    "boxed_convention",
+    "is_boxed",
     "make_boxed_func",
     "mark_dynamic",
     "non_owning_storage",
@@ -344,6 +351,29 @@ def aot_partition_fn(min_cut: bool) -> Callable[..., Any]:
     return min_cut_rematerialization_partition if min_cut else default_partition
 
 
+#: AOTAutograd's boxed calling protocol: a compiled callable whose ``_boxed_call`` is
+#: True is called with one list of arguments (which it may clear), any other with
+#: ``*args``. Checked on 2.13 (``_aot_autograd/runtime_wrappers.py`` reads it with
+#: ``getattr(fn, "_boxed_call", False)``; 2.11 to 2.14 do the same). If it were renamed,
+#: AOTAutograd would call graphgear's boxed graphs with ``*args`` and they would fail at
+#: their first call, loudly.
+_BOXED_ATTR = "_boxed_call"
+
+_T = TypeVar("_T")
+
+
+def boxed_convention(obj: _T) -> _T:
+    """Declare ``obj`` (a function, or a class whose instances are called) boxed: it takes
+    one list of arguments. Returns ``obj``, so it serves as a decorator."""
+    setattr(obj, _BOXED_ATTR, True)
+    return obj
+
+
+def is_boxed(fn: Any) -> bool:
+    """Whether ``fn`` follows the boxed convention (see :func:`boxed_convention`)."""
+    return bool(getattr(fn, _BOXED_ATTR, False))
+
+
 def make_boxed_func(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` taking one list of arguments (AOTAutograd's boxed calling convention).
 
@@ -465,6 +495,19 @@ def inductor_virtual_fake_mode(fake_mode: Any) -> contextlib.AbstractContextMana
     from torch._inductor.virtualized import V
 
     return V.set_fake_mode(fake_mode)
+
+
+def enable_python_dispatcher() -> contextlib.AbstractContextManager[Any]:
+    """The Python dispatcher, on while tracing with ``make_fx`` over fake tensors with
+    symbolic sizes (CompositeImplicit ops then decompose with SymInts, as AOTAutograd and
+    Inductor's ``fwd_only`` trace them).
+
+    ``torch._dispatch.python.enable_python_dispatcher``: checked on 2.13; AOTAutograd
+    uses it (2.11 to 2.14). If it moved, graphgear's pre-grad fusions and decomposed
+    attention replacements could not trace graphs with dynamic shapes."""
+    from torch._dispatch.python import enable_python_dispatcher as enable
+
+    return enable()
 
 
 def pattern_matcher_pass(name: str) -> Any:

@@ -20,11 +20,13 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import fx
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from . import debug
 from ._torch import (
@@ -42,8 +44,9 @@ from .capture import MemoryPool
 from .compilers.inductor import inductor_decompositions
 from .config import CompilerConfig, apply_options, mode_of
 from .errors import ConfigError, GraphgearError
-from .gears import _set_oblivious_if_needed, guard_gears_shape, set_dim_gears
+from .gears import guard_gears_shape, keep_size_one_dynamic, set_dim_gears
 from .inputs import GraphInputs
+from .passes import check_disabled_passes
 from .passes.joint import joint_graph_passes, pre_grad_fusions
 from .pipeline import compile_graph
 
@@ -156,7 +159,6 @@ def decompose_aten_graph(
     when they are fake, keeping their symbolic sizes), so no real work runs."""
     if not table:
         return gm
-    from torch.fx.experimental.proxy_tensor import make_fx
 
     fake_mode = fake_mode_of(example_inputs)
     with unset_fake_temporarily(), tracing(None):
@@ -188,6 +190,7 @@ class GraphgearBackend:
                 f"got {type(compiler_config).__name__}."
             )
         self.config = (compiler_config or CompilerConfig()).copy()
+        check_disabled_passes(self.config)
         self.custom_decompositions = dict(custom_decompositions or {})
         # one MemoryPool per raw device pool handle given to use_custom_pool, so every
         # graph of this backend that names the handle shares one pool (and its liveness)
@@ -219,6 +222,7 @@ class GraphgearBackend:
             if _TORCH_MODES[mode] is not None:
                 config.mode = _TORCH_MODES[mode]
         apply_options(config, options)
+        check_disabled_passes(config)
         self._own_pool(config)
         return config
 
@@ -258,7 +262,7 @@ class GraphgearBackend:
         inputs = GraphInputs.from_dynamo(gm, example_inputs, input_gears)
         if input_gears and inputs.dim_gears:
             # as set_dim_gears does: a later recompile must not specialise size 1
-            _set_oblivious_if_needed([s for d in inputs.dim_gears.values() for g in d.values() for s in g])
+            keep_size_one_dynamic([s for d in inputs.dim_gears.values() for g in d.values() for s in g])
         if config.debug.graph_dump.type is not None:
             debug.dump_graph(gm, config, "dynamo", "dynamo")
         compiler = functools.partial(
@@ -310,8 +314,6 @@ def _is_aten_graph(gm: fx.GraphModule) -> bool:
         if n.op == "call_module":
             return False
         if n.op == "call_function" and not isinstance(n.target, OpOverload):
-            import operator
-
             if n.target not in (operator.getitem,):
                 return False
         if n.op == "call_method":

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from .backend import get_backend
 from .config import CompilerConfig
@@ -107,8 +108,6 @@ def run_bench(
     geared = len(batch_sizes) > 1
     bar = None
     if progress:
-        from tqdm import tqdm
-
         bar = tqdm(total=len(contenders) * len(batch_sizes) * n, desc="graphgear bench",
                    unit="step", leave=False)
 

@@ -57,6 +57,7 @@ import stat
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from importlib import metadata
 from typing import Any
 
 import torch
@@ -89,8 +90,6 @@ ENV_VAR = "GRAPHGEAR_CACHE_DIR"
 
 
 def _graphgear_version() -> str:
-    from importlib import metadata
-
     try:
         return metadata.version("graphgear")
     except metadata.PackageNotFoundError:

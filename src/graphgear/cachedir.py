@@ -19,8 +19,10 @@ before Inductor compiles anything.
 
 from __future__ import annotations
 
+import getpass
 import logging
 import os
+import re
 import stat
 import tempfile
 
@@ -99,9 +101,6 @@ def _torch_default() -> str:
     """The folder torch writes into ``TORCHINDUCTOR_CACHE_DIR`` itself when unset
     (``torch._inductor.runtime.cache_dir_utils.default_cache_dir``): importing
     ``torch._dynamo`` sets the variable to it, so it is no explicit choice."""
-    import getpass
-    import re
-
     try:
         user = getpass.getuser()
     except (KeyError, ModuleNotFoundError, OSError):

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from ._torch import boxed_convention
 from .errors import GearError
 from .gears import GearPlan
 from .shapes import ShapeInfo
@@ -33,8 +34,11 @@ def precompiling() -> dict[str, Any] | None:
     return _PRECOMPILE.get()
 
 
+@boxed_convention
 class GearedGraph:
-    """Run-time dispatch of one AOT graph by graph key.
+    """Run-time dispatch of one AOT graph by graph key. Boxed (AOTAutograd calls it with
+    one list of inputs), and so is each key's callable (an engine, Inductor's compiled
+    graph): a replay is one call deep below AOTAutograd.
 
     ``build(key)`` returns the compiled boxed callable of one key (a static graph in
     max-autotune and reduce-overhead). With a :class:`GearPlan`, a key outside the
@@ -84,11 +88,6 @@ class GearedGraph:
                     fn = self.build(key)
                     self.compiled[key] = fn
         return fn
-
-    #: AOTAutograd's boxed convention: called with one list of inputs, and each key's
-    #: callable (an engine, Inductor's compiled graph) is boxed too, so a replay is one
-    #: call deep below AOTAutograd
-    _boxed_call = True
 
     def __call__(self, args: list[Any]) -> Any:
         key = self.info.key(args)

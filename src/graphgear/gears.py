@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from ._torch import FakeTensor, get_backed_size_oblivious, mark_dynamic, set_backed_size_oblivious
 from .errors import GearError
@@ -21,7 +22,7 @@ from .stats import on_reset
 
 log = logging.getLogger(__name__)
 
-__all__ = ["GearPlan", "get_dim_gears", "guard_gears_shape", "set_dim_gears"]
+__all__ = ["GearPlan", "get_dim_gears", "guard_gears_shape", "keep_size_one_dynamic", "set_dim_gears"]
 
 _ATTR = "_graphgear_dim_gears"
 MAX_GEARS = 100
@@ -81,15 +82,13 @@ def set_dim_gears(t: torch.Tensor, dim_gears: dict[int, list[int] | tuple[int, .
     setattr(t, _ATTR, old)
     if not isinstance(t, FakeTensor):
         for dim, sizes in clean.items():
-            _set_oblivious_if_needed(sizes)
+            keep_size_one_dynamic(sizes)
             mark_dynamic(t, dim)
 
 
 def guard_gears_shape(example_inputs: Any, names: Sequence[str] = ()) -> None:
     """Check that every concrete size of a geared dim is one of its gears (a dim that
     dynamo specialised to one size)."""
-    from torch.fx.experimental.symbolic_shapes import is_concrete_int
-
     for i, x in enumerate(example_inputs):
         if not isinstance(x, torch.Tensor):
             continue
@@ -104,29 +103,23 @@ def guard_gears_shape(example_inputs: Any, names: Sequence[str] = ()) -> None:
                 )
 
 
-def restore_global_settings() -> None:
-    """Undo the process-wide setting a gear of 1 turned on (called by ``reset()``)."""
-    if _oblivious_before:
-        set_backed_size_oblivious(_oblivious_before[0])
-        _oblivious_before.clear()
-
-
 # --------------------------------------------------------------------------- plan
 
 
-_oblivious_before: list[bool] = []
+def _restore_size_oblivious() -> None:
+    """Undo what :func:`keep_size_one_dynamic` turned on (run by ``graphgear.reset()``)."""
+    set_backed_size_oblivious(False)
 
 
-def _set_oblivious_if_needed(sizes: list[int]) -> None:
+def keep_size_one_dynamic(sizes: list[int]) -> None:
     """Size 1 must not be 0/1-specialised by dynamo, whether it is a gear or padded up
     to one (that would trace a second graph): turn on size-oblivious reasoning for
-    backed sizes, process-wide, until ``graphgear.reset()`` restores the previous
-    setting."""
+    backed sizes, process-wide, until ``graphgear.reset()`` turns it off again (only
+    where graphgear turned it on)."""
     if sizes:
         current = get_backed_size_oblivious()  # None: this torch has no such setting
         if current is not None and not current:
-            _oblivious_before.append(False)
-            on_reset(restore_global_settings)
+            on_reset(_restore_size_oblivious)
             log.info(
                 "graphgear: size 1 is a gear (or pads up to one); enabling "
                 "torch.fx.experimental._config.backed_size_oblivious so size 1 shares the "

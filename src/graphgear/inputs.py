@@ -112,8 +112,6 @@ def dynamo_input_names(gm: fx.GraphModule, n: int) -> list[str]:
 
 def _pretty_source(name: str) -> str:
     # L['x'] -> x ; L['self']._modules['a'].k_cache -> self.a.k_cache
-    import re
-
     name = re.sub(r"\._(?:modules|parameters|buffers)\['([^']+)'\]", r".\1", name)
     name = re.sub(r"^[LG]\['([^']+)'\]", r"\1", name)
     return name

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from torch import fx
 
 from . import debug
-from ._torch import make_boxed_func
+from ._torch import is_boxed, make_boxed_func
 from .compilers import MODE_COMPILERS, op_support
 from .config import mode_of
 from .context import CompileContext
@@ -141,9 +141,8 @@ def _compile_by_shape(
 
 def _convention(fn: Callable[..., Any], boxed: bool) -> Callable[..., Any]:
     """Adapt ``fn`` to the boxed (``fn(args_list)``) or plain (``fn(*args)``) convention;
-    a callable that is boxed says so with ``_boxed_call = True``."""
-    is_boxed = getattr(fn, "_boxed_call", False)
-    if boxed == is_boxed:
+    a callable that is boxed says so (``_torch.boxed_convention``)."""
+    if boxed == is_boxed(fn):
         return fn
     if boxed:
         return make_boxed_func(fn)

@@ -17,6 +17,8 @@ from typing import Any
 import sympy
 import torch
 from torch import fx
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import ShapeEnv, statically_known_true
 
 from ._torch import FakeTensor, FakeTensorMode, tracing, unset_fake_temporarily
 
@@ -97,8 +99,6 @@ class ShapeInfo:
 
     def concrete(self, key: Sequence[int]) -> list[Any]:
         """Example arguments (fake tensors in a new fake mode, or ints) at ``key``."""
-        from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
         ev = self.size_at(key)
 
         # a shape env (with nothing symbolic in it) lets Inductor use its FX graph cache
@@ -135,8 +135,6 @@ def _free_symbols(v: Any) -> set[Any]:
 def specialize(gm: fx.GraphModule, info: ShapeInfo, key: Sequence[int]) -> tuple[fx.GraphModule, list[Any]]:
     """``gm`` re-traced with every symbol fixed to ``key``: a static-shape aten graph and
     fake example inputs for it."""
-    from torch.fx.experimental.proxy_tensor import make_fx
-
     with unset_fake_temporarily(), tracing(None):
         args = info.concrete(key)
         mode = next((a.fake_mode for a in args if isinstance(a, FakeTensor)), None)
@@ -158,8 +156,6 @@ class _Runner(torch.nn.Module):
 def known_equal(a: Any, b: Any) -> bool:
     """``a == b`` for sizes, shapes or strides, true only when it holds for every value
     of the symbols. Never adds a guard: passes must not specialise a dynamic graph."""
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-
     if isinstance(a, tuple | list | torch.Size) or isinstance(b, tuple | list | torch.Size):
         if len(a) != len(b):
             return False

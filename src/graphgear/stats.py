@@ -16,6 +16,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from .debug import text_table
 
 log = logging.getLogger(__name__)
@@ -149,8 +151,6 @@ def reset() -> None:
     Functions compiled before keep working: dynamo's caches are cleared too, so their
     next call compiles again.
     """
-    import torch
-
     global _counter
     with _lock:
         _counter = itertools.count()

@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import fx
 
-from .._torch import StorageWeakRef, has_internal_overlap
+from .._torch import StorageWeakRef, boxed_convention, has_internal_overlap
 from ..errors import CaptureError
 from ..stats import register_release
 from . import liveness
@@ -109,9 +109,7 @@ def _pool_for(ctx: CompileContext, group: CaptureGroup) -> MemoryPool:
 
 
 class UncapturedGraph:
-    """A graph ``fallback="eager"`` runs as it is, counting its runs."""
-
-    _boxed_call = False
+    """A graph ``fallback="eager"`` runs as it is (called with ``*args``), counting its runs."""
 
     def __init__(self, gm: fx.GraphModule, record: Any) -> None:
         self.gm = gm
@@ -137,10 +135,10 @@ class _Entry:
     recapture: bool = False  # a key seen before with inputs used in place elsewhere
 
 
+@boxed_convention
 class CaptureEngine:
-    """Captures and replays one static FX graph (see the module docstring)."""
-
-    _boxed_call = True
+    """Captures and replays one static FX graph (see the module docstring); boxed: called
+    with one list of inputs."""
 
     def __init__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: CompileContext,
                  device: torch.device, compile_static: StaticCompiler | None = None) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from ..debug import op_key
 
@@ -71,8 +72,6 @@ _EFFECTS = {"with_effects", "higher_order.with_effects"}
 
 def find_uncapturable(gm: fx.GraphModule, device: torch.device) -> list[tuple[str, str]]:
     """``(op, reason)`` for every op of ``gm`` a ``device`` graph cannot hold."""
-    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
-
     found: list[tuple[str, str]] = []
     for n in gm.graph.nodes:
         if n.op != "call_function":

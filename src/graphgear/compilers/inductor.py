@@ -22,11 +22,14 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from .._torch import (
     FakeTensor,
     FakeTensorMode,
     TracingContext,
+    boxed_convention,
     count_tangents,
     inductor_compile_fx_inner,
     inductor_config_patch,
@@ -109,10 +112,10 @@ def compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: Com
     if spec is None:
         return compiled
 
+    @boxed_convention
     def unflatten(args: list[Any]) -> Any:
         return pytree.tree_unflatten(list(compiled(args)), spec)
 
-    unflatten._boxed_call = True  # type: ignore[attr-defined]
     return unflatten
 
 
@@ -134,8 +137,6 @@ def _return_tuple(gm: fx.GraphModule) -> Any:
 def decompose_static(gm: fx.GraphModule, args: Sequence[Any]) -> fx.GraphModule:
     """``gm`` re-traced with Inductor's decompositions at the sizes of ``args`` (fake
     tensors of one fake mode: inputs are not touched)."""
-    from torch.fx.experimental.proxy_tensor import make_fx
-
     fake_mode = next(a.fake_mode for a in args if isinstance(a, FakeTensor))
     with unset_fake_temporarily(), tracing(None), fake_mode:
         return make_fx(gm, decomposition_table=inductor_decomp_table(), tracing_mode="real",
@@ -146,8 +147,6 @@ def static_fakes(args: Sequence[Any], *, allow_constants: bool = False) -> list[
     """Fake copies of ``args`` (static shapes) in a fake mode with a shape env, which
     Inductor's FX graph cache needs to serve a compile; ``allow_constants``: the graph
     holds real tensors as constants (frozen parameters)."""
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
     mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=allow_constants)
     with unset_fake_temporarily():
         return [mode.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a

@@ -4,7 +4,8 @@
 the user's pre pass, ``remove_noop_ops``, ``pattern_fusion`` (registered replacements),
 ``reinplace_inputs`` (in-place recovery), ``view_to_reshape``, the user's post pass.
 The joint-graph fusion passes (``experimental_config.fx_passes``) run earlier, on the
-joint or inference graph: see :mod:`graphgear.passes.joint`.
+inference graph, or on a training graph's forward before differentiation (the joint
+graph where that cannot run): see :mod:`graphgear.passes.joint`.
 
 Every pass is switchable: its own option where it has one (``remove_noop_ops``,
 ``pattern_fusion_pass``, ``fx_passes``), and by name in
@@ -46,6 +47,7 @@ __all__ = [
     "GraphPass",
     "PassManager",
     "UserPass",
+    "check_disabled_passes",
     "default_passes",
     "pass_names",
     "post_grad_pass_manager",
@@ -71,6 +73,18 @@ def pass_names() -> list[str]:
         RemoveNoopOps.name, PatternFusion.name, ReinplaceInputs.name, ViewToReshape.name,
         "post_grad_custom_pre_pass", "post_grad_custom_post_pass",
     ]
+
+
+def check_disabled_passes(config: Any) -> None:
+    """Raise ValueError naming every unknown name in ``experimental_config.disabled_passes``
+    (checked when a backend or compiler is built and when ``options=`` change it)."""
+    disabled = set(config.experimental_config.disabled_passes or ())
+    unknown = sorted(disabled - set(pass_names()))
+    if unknown:
+        raise ValueError(
+            f"graphgear: experimental_config.disabled_passes names unknown passes {unknown}; "
+            f"known passes: {pass_names()}. Remove them or use one of the known names."
+        )
 
 
 def post_grad_pass_manager(config: Any) -> PassManager:

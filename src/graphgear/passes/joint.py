@@ -1,33 +1,39 @@
 """Joint-graph fusion passes (``experimental_config.fx_passes``).
 
-Run on the joint forward+backward graph before partitioning (training) and on the
-inference graph (no grad). Each rewrites a pattern models write by hand into one fused
-op, only where the fused op computes what the pattern computes:
+Run on the inference graph (no grad) and on training graphs. Each rewrites a pattern
+models write by hand into one fused op, only where the fused op computes what the
+pattern computes:
 
 * ``rms_norm_fusion``: ``w * (x * rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))`` (either
   order of the outer product) → ``aten._fused_rms_norm`` (float32/float64, 1-D weight
   over the last dim), on devices where that op has a kernel (not the CPU: there it is
-  CompositeImplicit and would trace straight back to the pattern).
+  CompositeImplicit and would trace straight back to the pattern). A traced pattern.
 * ``rotary_fusion``: ``x * cos + rotate_half(x) * sin`` with
   ``rotate_half(x) = cat(-x[..., h:], x[..., :h])`` → ``graphgear::rotary_rotate_half``.
+  A traced pattern.
 * ``attention_fusion``: ``softmax(q @ k^T * scale [+ mask]) @ v`` (or ``/ inv_scale``),
-  float mask added, softmax over the last dim → ``aten.scaled_dot_product_attention``;
-  on the CPU only under ``debug.run_eagerly``: where Inductor generates the code
-  (max-autotune, reduce-overhead's CPU graph) its attention was measured faster than
-  the CPU SDPA kernel on the decoder step.
+  float mask added, softmax over the last dim → ``aten.scaled_dot_product_attention``,
+  by the layout-agnostic matcher of :mod:`graphgear.passes.attention` (every graph kind,
+  with or without Inductor's decompositions); on the CPU only under
+  ``debug.run_eagerly``: where Inductor generates the code (max-autotune,
+  reduce-overhead's CPU graph) its attention was measured faster than the CPU SDPA
+  kernel on the decoder step.
 
 Training graphs are fused before AOTAutograd differentiates them
-(:func:`pre_grad_fusions`): the forward patterns are rewritten to the fused ops, whose
-autograd formulas give the backward. (In a joint graph autograd interleaves other
-gradients, such as the residual's, into the pattern's backward, so the traced
-forward+backward patterns rarely appear; they remain the fallback for graphs the
-pre-grad stage does not handle, such as dynamic shapes.) Every pass is a :class:`GraphPass`, run by a
+(:func:`pre_grad_fusions`, static and symbolic sizes alike): the forward patterns are
+rewritten to the fused ops, whose autograd formulas give the backward. Where that stage
+cannot run (non-tensor, non-integer inputs, parameters held as graph attributes,
+data-dependent input sizes, symbolic sizes in a graph that writes a buffer such as a
+KV cache, a failed trace) the passes run on the joint forward+backward
+graph instead: RMSNorm and rotary by their patterns traced forward and backward
+together (which rarely appear whole: autograd interleaves other gradients, such as the
+residual's, into them), attention only where it is not differentiated (see
+:mod:`graphgear.passes.attention`). Every pass is a :class:`GraphPass`, run by a
 :class:`PassManager` (timed, dumped, switchable).
 """
 
 from __future__ import annotations
 
-import contextvars
 import functools
 import logging
 import time
@@ -36,13 +42,19 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from .._torch import (
     FakeTensor,
     FakeTensorMode,
+    OpOverload,
+    enable_python_dispatcher,
     fake_mode_of,
     has_kernel_for_dispatch_key,
+    inductor_decomp_table,
     inductor_remove_noop_ops,
+    op_schema,
 )
 from ..config import mode_of
 from ..stats import record_joint_passes
@@ -181,120 +193,6 @@ def _rope_inputs(training: bool) -> list[Any]:
     ]
 
 
-# ---------------------------------------------------------------- attention
-
-
-def _attention_fns(dims: tuple[int, int]) -> list[tuple[Any, Any, bool, str]]:
-    """Search/replace pairs for one way of writing ``k^T`` (``k.transpose(*dims)``):
-    ``* scale`` or ``/ inv_scale``, with or without an additive mask."""
-    a, b = dims
-
-    def attn_mul_mask(q: Any, k: Any, v: Any, mask: Any, scale: float) -> Any:
-        s = torch.matmul(q, k.transpose(a, b)) * scale + mask
-        return torch.matmul(torch.softmax(s, dim=-1), v)
-
-    def attn_div_mask(q: Any, k: Any, v: Any, mask: Any, inv_scale: float) -> Any:
-        s = torch.matmul(q, k.transpose(a, b)) / inv_scale + mask
-        return torch.matmul(torch.softmax(s, dim=-1), v)
-
-    def attn_mul(q: Any, k: Any, v: Any, scale: float) -> Any:
-        return torch.matmul(torch.softmax(torch.matmul(q, k.transpose(a, b)) * scale, dim=-1), v)
-
-    def attn_div(q: Any, k: Any, v: Any, inv_scale: float) -> Any:
-        return torch.matmul(torch.softmax(torch.matmul(q, k.transpose(a, b)) / inv_scale, dim=-1), v)
-
-    return [
-        (attn_mul_mask, _sdpa_mul_mask, True, "scale"),
-        (attn_div_mask, _sdpa_div_mask, True, "inv_scale"),
-        (attn_mul, _sdpa_mul, False, "scale"),
-        (attn_div, _sdpa_div, False, "inv_scale"),
-    ]
-
-
-# k.transpose(2, 3) (Llama), (-2, -1), (-1, -2) (GPT-2): the matcher compares them exactly
-_TRANSPOSES = ((2, 3), (-2, -1), (-1, -2))
-
-
-def _sdpa_mul_mask(q: Any, k: Any, v: Any, mask: Any, scale: float) -> Any:
-    return aten.scaled_dot_product_attention.default(q, k, v, attn_mask=mask, scale=scale)
-
-
-def _sdpa_div_mask(q: Any, k: Any, v: Any, mask: Any, inv_scale: float) -> Any:
-    return aten.scaled_dot_product_attention.default(q, k, v, attn_mask=mask, scale=1.0 / inv_scale)
-
-
-def _sdpa_mul(q: Any, k: Any, v: Any, scale: float) -> Any:
-    return aten.scaled_dot_product_attention.default(q, k, v, scale=scale)
-
-
-def _sdpa_div(q: Any, k: Any, v: Any, inv_scale: float) -> Any:
-    return aten.scaled_dot_product_attention.default(q, k, v, scale=1.0 / inv_scale)
-
-
-_SOFTMAX_REDUCTIONS = (aten._softmax.default, aten.amax.default, aten.sum.dim_IntList,
-                       aten._softmax_backward_data.default)
-
-
-# the devices the attention patterns skip in the graph being searched (set by
-# AttentionFusion around its search; the pattern's check reads it)
-_SKIP_DEVICES: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar(
-    "graphgear_attention_skip_devices", default=())
-
-
-def _attn_check(match: Any) -> bool:
-    q, k, v = (node_val(match.kwargs.get(n)) for n in ("q", "k", "v"))
-    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
-        return False
-    if q.device.type in _SKIP_DEVICES.get():
-        return False
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        return False
-    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float32, torch.float64,
-                                                              torch.float16, torch.bfloat16):
-        return False
-    if q.shape[:2] != k.shape[:2] or k.shape[:2] != v.shape[:2] or q.shape[-1] != k.shape[-1] \
-            or k.shape[-2] != v.shape[-2]:
-        return False
-    mask = node_val(match.kwargs.get("mask")) if "mask" in match.kwargs else None
-    scores_shape = (*q.shape[:-1], k.shape[-2])
-    if mask is not None:
-        if not isinstance(mask, torch.Tensor) or mask.dtype != q.dtype:
-            return False  # bool masks select with -inf / finfo.min: other semantics
-        try:
-            if torch.broadcast_shapes(mask.shape, scores_shape) != torch.Size(scores_shape):
-                return False
-        except RuntimeError:
-            return False
-    for n in _nodes(match, aten.permute.default):
-        dims = list(n.args[1])
-        if dims != [0, 1, 3, 2]:
-            return False
-    for n in _nodes(match, aten.transpose.int):
-        if sorted(d % 4 for d in n.args[1:3]) != [2, 3]:
-            return False
-    for n in _nodes(match, *_SOFTMAX_REDUCTIONS):
-        dim = n.args[1]
-        val = node_val(n.args[0])
-        rank = val.dim() if isinstance(val, torch.Tensor) else 4
-        if not _is_last_dim(dim, rank):
-            return False
-    for n in _nodes(match, aten._softmax.default):
-        if n.args[2]:  # half_to_float
-            return False
-    return True
-
-
-def _attn_inputs(training: bool, with_mask: bool) -> list[Any]:
-    def t() -> torch.Tensor:
-        return torch.randn(2, 4, 8, 16, requires_grad=training)
-
-    out: list[Any] = [t(), t(), t()]
-    if with_mask:
-        out.append(torch.randn(2, 1, 8, 8))
-    out.append(0.25)
-    return out
-
-
 # ---------------------------------------------------------------- registry
 
 
@@ -312,12 +210,6 @@ def builtin_patterns() -> PatternSet:
             ps.add(f"rotary{sfx}", Replacement(
                 fn.__name__, fn, _rope_replace, functools.partial(_rope_inputs, training),
                 extra_check=_rope_check, training=training))
-        for dims in _TRANSPOSES:
-            for search, repl, mask, scalar in _attention_fns(dims):
-                ps.add(f"attention{sfx}", Replacement(
-                    f"{search.__name__}_t{dims[0]}{dims[1]}", search, repl,
-                    functools.partial(_attn_inputs, training, mask),
-                    extra_check=_attn_check, scalar_workaround={scalar: 0.25}, training=training))
     return ps
 
 
@@ -354,26 +246,27 @@ class RotaryFusion(_FusionPass):
     group = "rotary"
 
 
-class AttentionFusion(_FusionPass):
-    """Inference graphs without decompositions: the layout-agnostic matcher of
-    :mod:`graphgear.passes.attention`; other graphs: the traced patterns."""
+def attention_skip_devices(config: Any) -> tuple[str, ...]:
+    """Device types whose attention stays unfused. Where Inductor generates the code
+    (max-autotune, and reduce-overhead's CPU graph), its attention beats the CPU SDPA
+    kernel on the decoder step (benchmarks/bench_passes.py): on the CPU only
+    run_eagerly gets SDPA."""
+    return () if mode_of(config) == "eager" else ("cpu",)
+
+
+class AttentionFusion(GraphPass):
+    """The hand matcher of :mod:`graphgear.passes.attention`, on every graph the joint
+    passes see (inference, pre-grad training, joint); a graph made with Inductor's
+    decompositions gets the replacement traced with them."""
 
     name = "attention_fusion"
-    group = "attention"
+
+    def enabled(self, config: Any) -> bool:
+        return bool(config.experimental_config.fx_passes)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], config: Any) -> int:
-
-        # Where Inductor generates the code (max-autotune, and reduce-overhead's CPU
-        # graph), its attention beats the CPU SDPA kernel on the decoder step
-        # (benchmarks/bench_passes.py): on the CPU only run_eagerly gets SDPA.
-        skip = () if mode_of(config) == "eager" else ("cpu",)
-        if _kind_of(gm, config) == "aten" and not _is_joint(gm):
-            return fuse_attention(gm, skip_devices=skip)
-        token = _SKIP_DEVICES.set(skip)
-        try:
-            return super().__call__(gm, example_inputs, config)
-        finally:
-            _SKIP_DEVICES.reset(token)
+        table = inductor_decomp_table() if _kind_of(gm, config) == "inductor" else None
+        return fuse_attention(gm, skip_devices=attention_skip_devices(config), decompositions=table)
 
 
 class NormalizeNoops(GraphPass):
@@ -424,6 +317,10 @@ def joint_graph_passes(gm: fx.GraphModule, example_inputs: Sequence[Any], config
 # ---------------------------------------------------------------- training: before autograd
 
 
+def _has_symbols(t: torch.Tensor) -> bool:
+    return any(isinstance(s, torch.SymInt) for s in (*t.shape, *t.stride()))
+
+
 def _needs_grad(example_inputs: Sequence[Any]) -> bool:
     return torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs)
@@ -433,36 +330,45 @@ def pre_grad_fusions(gm: fx.GraphModule, example_inputs: Sequence[Any], config: 
     """Training graphs: the fusions on the forward graph, before AOTAutograd differentiates it.
 
     In a joint graph autograd interleaves other gradients (the residual's) into the
-    pattern's backward, so the traced forward+backward patterns rarely appear. Here the
-    dynamo graph is traced to a functional aten graph (no decompositions), the forward
-    patterns are rewritten to the fused ops (each has an autograd formula), and the
-    result is what AOTAutograd traces: fused forward and backward. Returns the graph for
-    AOTAutograd (the rewritten one, or ``gm`` itself where nothing matched), or None where
-    the graph is not one this handles (inference, dynamic shapes, non-tensor inputs,
-    parameters held as attributes, a trace failure): the joint-graph passes then run as
-    before.
+    pattern's backward, so traced forward+backward patterns rarely appear, and an
+    attention's backward cannot be rewritten there at all. Here the dynamo graph is
+    traced to a functional aten graph (no decompositions; symbolic sizes traced as
+    AOTAutograd traces them, with the Python dispatcher on, and only where the graph
+    writes nothing, as functionalization would specialise them), the forward patterns are
+    rewritten to the fused ops (each has an autograd formula), and the result is what
+    AOTAutograd traces: fused forward and backward. Returns the graph for AOTAutograd
+    (the rewritten one, or ``gm`` itself where nothing matched), or None where the graph
+    is not one this handles (inference, inputs other than tensors and integers,
+    parameters held as attributes, data-dependent input sizes, symbolic sizes with an
+    in-place write, a trace failure): the
+    joint-graph passes then run on the joint graph.
     """
     if not config.experimental_config.fx_passes or not _needs_grad(example_inputs):
         return None
-    if not all(isinstance(t, torch.Tensor) for t in example_inputs):
+    if not all(isinstance(t, torch.Tensor | torch.SymInt | int) for t in example_inputs):
         return None
     if any(True for _ in gm.parameters()) or any(True for _ in gm.buffers()):
         return None  # make_fx would turn them into constants: no gradients, lost writes
-    from torch.fx.experimental.proxy_tensor import make_fx
-    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols, is_concrete_int
-
     fake_mode = fake_mode_of(example_inputs)
     try:
         if fake_mode is None:
             fake_mode = FakeTensorMode()
-        fakes = [fake_mode.from_tensor(t) if not isinstance(t, FakeTensor) else t
-                 for t in example_inputs]
-        if any(not all(is_concrete_int(s) for s in (*t.shape, *t.stride())) or free_unbacked_symbols(t)
-               for t in fakes):
-            return None  # symbolic shapes: left to the joint passes
-        with fake_mode, torch.no_grad():
-            traced = make_fx(torch.func.functionalize(gm, remove="mutations"),
+        fakes = [fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor)
+                 else t for t in example_inputs]
+        if any(isinstance(t, torch.Tensor) and free_unbacked_symbols(t) for t in fakes):
+            return None  # data-dependent sizes: left to the joint passes
+        symbolic = any(isinstance(t, torch.SymInt) or (isinstance(t, torch.Tensor) and _has_symbols(t))
+                       for t in fakes)
+        # symbolic sizes trace as AOTAutograd traces them: the Python dispatcher on, and
+        # no torch.func.functionalize, whose wrappers read concrete sizes (a biased
+        # linear on a 3-D input specialised the batch); a graph that writes is left to
+        # the joint passes
+        with fake_mode, enable_python_dispatcher(), torch.no_grad():
+            traced = make_fx(gm if symbolic else torch.func.functionalize(gm, remove="mutations"),
                              tracing_mode="real")(*fakes)
+        if symbolic and any(isinstance(n.target, OpOverload) and op_schema(n.target).is_mutable
+                            for n in traced.graph.nodes):
+            return None
     except Exception as e:  # noqa: BLE001 - any trace failure leaves the graph as it is
         log.debug("graphgear: pre-grad fusions skipped, trace failed: %s", e)
         return None

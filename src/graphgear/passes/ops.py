@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import fx
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from .._torch import (
     decomp_fused_rms_norm,
@@ -145,8 +147,6 @@ def _fake_mode_of(gm: fx.GraphModule) -> Any:
 def inline_decompositions(gm: fx.GraphModule, table: dict[Any, Callable[..., Any]]) -> int:
     """Replace every call of an op in ``table`` by the traced aten ops of its
     decomposition, in place. Returns the number of calls replaced."""
-    from torch.fx.experimental.proxy_tensor import make_fx
-
     targets = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in table]
     if not targets:
         return 0
@@ -185,8 +185,6 @@ def inline_decompositions(gm: fx.GraphModule, table: dict[Any, Callable[..., Any
 
 
 def _replace_outputs(graph: fx.Graph, node: fx.Node, out: Any) -> None:
-    import operator
-
     if isinstance(out, list | tuple):
         for user in list(node.users):
             if user.target is operator.getitem:
