@@ -43,7 +43,6 @@ graphgear checks the gears itself.
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import fcntl
 import hashlib
@@ -64,18 +63,18 @@ from torch import nn
 
 from ._torch import (
     SerializableCallable,
-    autograd_cache_off,
-    graph_pickle_dumps,
-    graph_pickle_loads,
+    aot_compiled_backend_result,
+    bundled_entry_outputs,
+    load_bundled_entry,
     pytree,
-    tracing_with,
     without_dim_markings,
 )
+from .artifacts import allowed_global, cache_tag
 from .backend import get_backend
+from .bundle import GraphgearOutputCode
 from .cachedir import default_cache_root, unsafe_reason
 from .config import CompilerConfig
 from .gears import get_dim_gears
-from .inputs import GraphInputs
 from .passes import PASSES_VERSION
 from .stats import record_count, records_since
 
@@ -271,56 +270,49 @@ _Base: Any = SerializableCallable if SerializableCallable is not None else objec
 
 
 class _CachedGraph(_Base):  # type: ignore[misc,valid-type]
-    """The result of graphgear's backend under ``aot_compile``: the compiled callable, and
-    what a later process needs to rebuild it without dynamo (the dynamo graph, config,
-    input names and gears)."""
+    """The result of graphgear's backend under ``aot_compile``: AOTAutograd's compiled
+    function with its bundled entry (``compiled.serialize()``), whose graphs are
+    graphgear's :class:`~graphgear.bundle.GraphgearOutputCode` (``outputs``)."""
 
-    def __init__(self, gm: torch.fx.GraphModule, config: dict[str, Any], names: list[str],
-                 gears: dict[int, dict[int, list[int]]], compiled: Callable[..., Any]) -> None:
-        self.gm, self.config, self.names, self.gears, self.compiled = gm, config, names, gears, compiled
+    def __init__(self, compiled: Callable[..., Any], outputs: list[GraphgearOutputCode]) -> None:
+        self.compiled, self.outputs = compiled, outputs
+
+    def version(self) -> int:
+        """Moves when a graph compiles a key it did not hold (see ``artifacts``)."""
+        return sum(o.store.version for o in self.outputs if o.store is not None)
 
     @classmethod
     def serialize_compile_artifacts(cls, fn: _CachedGraph) -> bytes:
-        gm = fn.gm
-        for n in gm.graph.nodes:  # AOTAutograd re-traces: only the inputs' fake tensors are needed
-            keep = {"example_value": n.meta["example_value"]} if n.op == "placeholder" and "example_value" in n.meta else {}
-            n.meta.clear()
-            n.meta.update(keep)
-        gm.meta.clear()
-        return pickle.dumps({"gm": graph_pickle_dumps(gm), "config": fn.config, "names": fn.names,
-                             "gears": fn.gears})
+        entry = fn.compiled.serialize()  # AOTAutograd's bundled entry, ready to pickle
+        if entry is None:
+            raise RuntimeError("AOTAutograd kept no bundled entry of this graph")
+        return pickle.dumps(entry, protocol=pickle.HIGHEST_PROTOCOL)
 
     @classmethod
     def deserialize_compile_artifacts(cls, data: bytes) -> _CachedGraph:
-        state = _RestrictedUnpickler(io.BytesIO(data)).load()
-        gm, fake_mode = graph_pickle_loads(state["gm"])
-        gm.recompile()
-        example_inputs = [n.meta["example_value"] for n in gm.graph.find_nodes(op="placeholder")]
-        config = CompilerConfig.from_dict(state["config"])
-        # the gears reach the backend by input name (inference_config.input_gears)
-        config.inference_config.input_gears = {state["names"][i]: d for i, d in state["gears"].items()}
-        with tracing_with(fake_mode), torch.no_grad(), autograd_cache_off():
-            compiled = get_backend(config)(gm, example_inputs)
-        return cls(gm, state["config"], state["names"], state["gears"], compiled)
+        entry = _RestrictedUnpickler(io.BytesIO(data)).load()
+        outputs = [o for o in bundled_entry_outputs(entry) if isinstance(o, GraphgearOutputCode)]
+        if not outputs:
+            raise ValueError("the entry holds no graphgear graph")
+        return cls(load_bundled_entry(entry), outputs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.compiled(*args, **kwargs)
 
 
 class _RestrictedUnpickler(pickle.Unpickler):
-    """graphgear's own part of an entry holds only builtin containers and ``bytes``."""
+    """graphgear's part of an entry: only the types :func:`allowed_global` names."""
 
     def find_class(self, module: str, name: str) -> Any:
-        raise pickle.UnpicklingError(f"graphgear cache: global {module}.{name} is not allowed here")
+        if not allowed_global(module, name):
+            raise pickle.UnpicklingError(f"graphgear cache: global {module}.{name} is not allowed here")
+        return super().find_class(module, name)
 
 
-def _caching_backend(config: CompilerConfig) -> Callable[..., Any]:
+def _caching_backend(config: CompilerConfig, key: str) -> Callable[..., Any]:
     def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> _CachedGraph:
-        inputs = GraphInputs.from_dynamo(gm, example_inputs, config.inference_config.input_gears)
-        keep = copy.deepcopy(gm)
-        with autograd_cache_off():
-            compiled = get_backend(config)(gm, example_inputs)
-        return _CachedGraph(keep, config.as_dict(), list(inputs.names), dict(inputs.dim_gears), compiled)
+        compiled, outputs = get_backend(config).compile_bundled(gm, example_inputs, cache_tag(key))
+        return _CachedGraph(compiled, outputs)
 
     backend.__name__ = "graphgear_cache"
     return backend
@@ -463,6 +455,9 @@ class CachedFunction:
         self.rank = rank
         self._loaded: dict[str, Any] = {}  # key -> AOTCompiledFunction, or the fallback
         self._keys: dict[Any, tuple[str, dict[str, str]]] = {}  # call signature -> key
+        # key -> (entry path or None, the backend's _CachedGraph, its version when stored)
+        self._stored: dict[str, list[Any]] = {}
+        self.stores = 0  # entry files written by this object (tests: not one per step)
         self._fallback: Any = None
         self._warned = False
 
@@ -488,7 +483,11 @@ class CachedFunction:
         call_args = (self.module, *args) if self.module is not None else args
         if not compiled.guard_check(*call_args, **kwargs):
             return self._run_uncached(key, args, kwargs)
-        return self._call(compiled, args, kwargs)
+        out = self._call(compiled, args, kwargs)
+        stored = self._stored.get(key)
+        if stored is not None and stored[0] is not None and stored[1].version() != stored[2]:
+            self._store(compiled, key, parts, stored)  # it compiled a key it did not hold
+        return out
 
     def _run_uncached(self, key: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The entry's guards reject this call: run it through plain torch.compile."""
@@ -525,6 +524,7 @@ class CachedFunction:
                     raise ValueError(f"its key parts differ ({', '.join(diff) or 'key'})")
                 compiled = torch.compiler.load_compiled_function(io.BytesIO(payload))
                 compiled.disable_guard_check()  # __call__ checks them first, once
+                graph = aot_compiled_backend_result(compiled)
             except Exception as e:  # refuse, never run it: recompile
                 log.warning("graphgear cache: refusing %s: %s; compiling instead", path, e)
             else:
@@ -532,6 +532,7 @@ class CachedFunction:
                 for rec in records_since(n0):
                     rec.cache, rec.cache_load_seconds = "hit", seconds
                 log.info("graphgear cache: loaded %s in %.2f s", path, seconds)
+                self._stored[key] = [path, graph, graph.version()]
                 return compiled
         else:
             self._log_miss(folder, parts)
@@ -565,20 +566,29 @@ class CachedFunction:
         call_args = (self.module, *args) if self.module is not None else args
         with torch.no_grad():
             compiled = torch.compile(self._func, fullgraph=True, dynamic=dynamic,
-                                     backend=_caching_backend(self.config)).aot_compile((call_args, kwargs))
+                                     backend=_caching_backend(self.config, key)).aot_compile((call_args, kwargs))
         compiled.disable_guard_check()  # __call__ checks them first, once
-        status = "miss"
-        if path is not None:
-            try:
-                payload = type(compiled).serialize(compiled).serialized_data
-                _write_entry(path, _name_of(self.fn), key, parts, payload)
-                status = "stored"
-                log.info("graphgear cache: stored %s", path)
-            except Exception as e:  # a cache that cannot be written must not break serving
-                log.warning("graphgear cache: could not store %s: %s", path, e)
+        stored = self._stored[key] = [path, aot_compiled_backend_result(compiled), -1]
+        status = "stored" if path is not None and self._store(compiled, key, parts, stored) else "miss"
         for rec in records_since(n0):
             rec.cache = status
         return compiled
+
+    def _store(self, compiled: Any, key: str, parts: dict[str, str], stored: list[Any]) -> bool:
+        """Write the entry (after a compile, and again after a call that compiled a graph
+        key the entry did not hold: at most once per new key, never per step)."""
+        path, graph = stored[0], stored[1]
+        version = graph.version()
+        stored[2] = version
+        try:
+            payload = type(compiled).serialize(compiled).serialized_data
+            _write_entry(path, _name_of(self.fn), key, parts, payload)
+        except Exception as e:  # a cache that cannot be written must not break serving
+            log.warning("graphgear cache: could not store %s: %s", path, e)
+            return False
+        self.stores += 1
+        log.info("graphgear cache: stored %s (%d compiled graph keys)", path, version)
+        return True
 
 
 def cache_compile(fn: Any, *, config: CompilerConfig | None = None, cache_dir: str | None = None,

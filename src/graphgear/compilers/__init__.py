@@ -25,7 +25,10 @@ from .reduce_overhead import compile_reduce_overhead
 __all__ = ["MODE_COMPILERS", "ModeCompiler", "compile_eager", "compile_inductor",
            "compile_reduce_overhead", "op_support"]
 
-ModeCompiler = Callable[[fx.GraphModule, Sequence[Any], CompileContext], Callable[..., Any]]
+#: ``compiler(gm, example_inputs, ctx, key=None, loaded=None)``: ``key`` is the graph key
+#: of a static graph (recorded in ``ctx.artifacts`` by the compile cache), ``loaded`` that
+#: key's stored code (``artifacts.KeyArtifact``), used instead of compiling
+ModeCompiler = Callable[..., Callable[..., Any]]
 
 MODE_COMPILERS: dict[str, ModeCompiler] = {
     "eager": compile_eager,
