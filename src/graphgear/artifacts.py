@@ -5,8 +5,8 @@ An :class:`ArtifactStore` belongs to one graph that AOTAutograd handed to graphg
 inference, forward or backward graph). It holds:
 
 * the graph after graphgear's passes, pickled with ``torch.fx``'s ``GraphPickler``
-  (placeholders' fake tensors kept, symbolic sizes included; other node metadata
-  dropped), and what the pipeline knew about it (stage, input names, static and
+  (the placeholders' and outputs' fake tensors kept, symbolic sizes included; other
+  node metadata dropped: unpickling fake tensors with symbolic sizes is slow), and what the pipeline knew about it (stage, input names, static and
   mutated inputs, each input's gears);
 * per graph key (a gear, or ``()`` for a static graph), Inductor's compiled graph
   (``CompiledFxGraph``, its generated source and metadata, as AOTAutograd's bundled
@@ -115,6 +115,7 @@ _ALLOWED: dict[str, frozenset[str]] = {m: frozenset(n.split()) for m, n in {
     "torch.fx.experimental.symbolic_shapes": "ShapeEnvSettings ValueRangesSLoc",
     "torch.fx.graph": "CodeGen",
     "torch.fx.immutable_collections": "immutable_dict immutable_list",
+    "torch.fx.passes.shape_prop": "TensorMetadata",
     "torch.serialization": "_get_layout",
     "torch.utils._ordered_set": "OrderedSet",
     "torch.utils._sympy.functions": "FloorDiv ModularIndexing CleanDiv CeilDiv Max Min PythonMod Mod "
@@ -162,10 +163,14 @@ class ArtifactStore:
         only its nodes' ``val`` metadata, and keep ``meta`` (builtin values only)."""
         from .gears import get_dim_gears
 
+        # the dispatch by shape reads the placeholders' and the outputs' values (their
+        # symbolic sizes); a key not stored re-traces the graph, which needs none
+        out = next(iter(gm.graph.find_nodes(op="output")))
+        keep = {*gm.graph.find_nodes(op="placeholder"), *out.all_input_nodes}
         saved = []
         for n in gm.graph.nodes:
             saved.append(n.meta)
-            n.meta = {"val": n.meta["val"]} if "val" in n.meta else {}
+            n.meta = {"val": n.meta["val"]} if n in keep and "val" in n.meta else {}
         gm_meta, gm.meta = gm.meta, {}
         try:
             self.graph = graph_pickle_dumps(gm)

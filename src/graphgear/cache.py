@@ -80,7 +80,7 @@ from .stats import record_count, records_since
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CacheEntry", "cache_compile", "cache_folder", "clear_entries", "list_entries"]
+__all__ = ["CacheEntry", "allowed_global", "cache_compile", "cache_folder", "clear_entries", "list_entries"]
 
 MAGIC = b"GRAPHGEAR-CACHE-1\n"
 SUFFIX = ".ggc"

@@ -143,9 +143,13 @@ class CaptureEngine:
     _boxed_call = True
 
     def __init__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: CompileContext,
-                 device: torch.device, compile_static: StaticCompiler | None = None) -> None:
+                 device: torch.device, compile_static: StaticCompiler | None = None,
+                 native_warmup: bool = False) -> None:
         self.gm = gm
         self.compile_static = compile_static
+        # warm up on the CPU with the native code instead of the FX graph (the compile
+        # cache: the code is loaded, not compiled, and ``gm`` is the dynamic graph)
+        self.native_warmup = native_warmup and device.type == "cpu"
         self.ctx = ctx
         self.record = ctx.record
         self.device = device
@@ -289,14 +293,20 @@ class CaptureEngine:
         if self.device.type in ("cuda", "npu"):
             graph = self._device_graph(args)
             return graph.warmup(list(args))
+        if self.native_warmup:  # no record is active: the code allocates as usual
+            return list(self._executor_for(args).run(list(args)))
         return list(self.gm(*args))
 
-    def _device_graph(self, args: list[Any]) -> Any:
-        kw = dict(pool=self.pool, name=self.record.name)
+    def _executor_for(self, args: list[Any]) -> Any:
         if self._executor is None:
             with self._lock:
                 if self._executor is None:
                     self._executor = self._compile(args)
+        return self._executor
+
+    def _device_graph(self, args: list[Any]) -> Any:
+        kw = dict(pool=self.pool, name=self.record.name)
+        self._executor_for(args)
         if self.device.type == "cpu":
             return CPUGraph(self._executor, **kw)
         if self.device.type == "cuda":

@@ -44,7 +44,7 @@ def compile_reduce_overhead(
     if loaded is not None:
         code = loaded.code
         return CaptureEngine(gm, example_inputs, ctx, device,
-                             compile_static=lambda *args, **kwargs: code)
+                             compile_static=lambda *args, **kwargs: code, native_warmup=True)
     blocked = find_uncapturable(gm, device)
     if blocked:
         for op, reason in blocked:
