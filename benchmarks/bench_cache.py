@@ -38,7 +38,8 @@ use_private_inductor_cache()  # the worker processes inherit the private Inducto
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "cache_worker.py"
 MODELS = {"decoder": ("1,2,3,4,5,6,8", "4"), "llama": ("1,2,4,8", "4")}
-CONTENDERS = {"graphgear + cache (hit)": (), "graphgear, no cache": ("--no-cache",),
+HIT = "graphgear + cache (hit)"
+CONTENDERS = {HIT: (), "graphgear, no cache": ("--no-cache",),
               "torch.compile default": ("--torch-default",)}
 
 
@@ -68,7 +69,7 @@ def bench(model: str, mode: str, repeats: int) -> dict[str, float]:
             wall, out = run(cache_dir, model, mode, *extra)
             walls[name].append(wall)
             after_imports[name].append(out["ready_s"] - out["imports_s"])
-            if "cache" in name:
+            if name == HIT:
                 assert out["cache"] and set(out["cache"]) == {"hit"}, out
                 assert out["sha"] == first[name]["sha"], "hit output differs from the storing process's"
                 print(f"  ({model}: hit: AOTAutograd compiles {out['aot_compiles']}, Inductor compiles "
@@ -81,7 +82,7 @@ def bench(model: str, mode: str, repeats: int) -> dict[str, float]:
           f"(wall s incl. interpreter start and imports | s after imports)")
     for k in CONTENDERS:
         print(f"  {k:28s} {med[k]:6.2f} s | {med_after[k]:6.2f} s")
-    hit = "graphgear + cache (hit)"
+    hit = HIT
     r_gg = med[hit] / med["graphgear, no cache"]
     r_tc = med[hit] / med["torch.compile default"]
     print(f"  hit / graphgear no cache:    {r_gg:.2f}x wall, "

@@ -49,6 +49,12 @@ import torch
 # for the FX graph cache, and the fake mode of a graph.
 from torch._guards import TracingContext, detect_fake_mode, tracing
 
+# torch._inductor.output_code.OutputCode: checked on 2.13 (the base of Inductor's
+# CompiledFxGraph and of dynamo's AOTEagerOutputCode, 2.11 to 2.14); importing it costs
+# ~20 ms. AOTAutograd's bundled cache entry holds a compiler's result only when it is
+# one (``AOTAutogradCache.make_entry``); graphgear's bundled result subclasses it.
+from torch._inductor.output_code import OutputCode
+
 # torch._ops.OpOverload / OpOverloadPacket: checked on 2.13; every FX graph traced by
 # make_fx/AOTAutograd has them as call targets (2.11 to 2.14). If they moved, graphgear
 # could not tell aten calls from other callables (op summaries, mutated-input detection,
@@ -67,15 +73,10 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake
 # ``tree_unflatten`` are all graphgear uses.
 from torch.utils import _pytree as pytree
 
-# torch._inductor.output_code.OutputCode: checked on 2.13 (the base of Inductor's
-# CompiledFxGraph and of dynamo's AOTEagerOutputCode, 2.11 to 2.14); importing it costs
-# ~20 ms. AOTAutograd's bundled cache entry holds a compiler's result only when it is
-# one (``AOTAutogradCache.make_entry``); graphgear's bundled result subclasses it.
-from torch._inductor.output_code import OutputCode
-
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "inductor_config_digest",
     "inductor_output_load",
     "inductor_output_for_disk",
     "aot_compiled_backend_result",
@@ -641,6 +642,18 @@ def autograd_cache_off() -> contextlib.AbstractContextManager[Any]:
     )
 
 
+
+
+def inductor_config_digest() -> str:
+    """A sha256 of Inductor's settings (``torch._inductor.config.save_config_portable()``,
+    the part of its config Inductor's own FX graph cache keys on; checked on 2.13): the
+    compile cache's entries hold Inductor's code, so its settings are part of the key."""
+    import hashlib
+
+    import torch._inductor.config as inductor_config
+
+    items = sorted((k, repr(v)) for k, v in inductor_config.save_config_portable().items())
+    return hashlib.sha256(repr(items).encode()).hexdigest()
 
 
 def aot_bundling(tag: str) -> contextlib.AbstractContextManager[Any]:

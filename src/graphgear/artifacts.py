@@ -38,6 +38,7 @@ import torch
 from torch import fx
 
 from ._torch import graph_pickle_dumps, graph_pickle_loads, inductor_output_for_disk, inductor_output_load
+from .gears import get_dim_gears, set_dim_gears
 
 log = logging.getLogger(__name__)
 
@@ -161,8 +162,6 @@ class ArtifactStore:
     def keep_graph(self, gm: fx.GraphModule, example_inputs: Sequence[Any], meta: dict[str, Any]) -> None:
         """Pickle ``gm`` (after the passes, before any mode compiler changes it) with
         only its nodes' ``val`` metadata, and keep ``meta`` (builtin values only)."""
-        from .gears import get_dim_gears
-
         # the dispatch by shape reads the placeholders' and the outputs' values (their
         # symbolic sizes); a key not stored re-traces the graph, which needs none
         out = next(iter(gm.graph.find_nodes(op="output")))
@@ -210,8 +209,6 @@ class ArtifactStore:
     def load_graph(self) -> tuple[fx.GraphModule, list[Any]]:
         """The kept graph and its example inputs (its placeholders' fake tensors, in a
         fresh fake mode, with their gears marked again)."""
-        from .gears import set_dim_gears
-
         if self.graph is None:
             raise ValueError("the entry holds no graph")
         gm, _ = graph_pickle_loads(self.graph, allowed_global)

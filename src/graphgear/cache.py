@@ -1,4 +1,4 @@
-"""A compile cache: a restarted process serves without dynamo tracing the function.
+"""A compile cache: a restarted process serves without tracing or compiling.
 
 :func:`cache_compile` (also ``graphgear.inference.cache_compile``) wraps a function or an
 ``nn.Module``. On a call with an input spec it has no entry for, it builds the cache key,
@@ -6,15 +6,26 @@ and either loads a trusted entry (``stats()``: ``cache="hit"``) or compiles with
 2.13's precompile (``torch.compile(fn, fullgraph=True).aot_compile(...)``) and stores the
 result (``"stored"``).
 
-**What is stored** (one file per key): torch's ``save_compiled_function`` payload, that is
-dynamo's transformed bytecode and guards, plus graphgear's :class:`_CachedGraph`: dynamo's
-FX graph (pickled with ``torch.fx``'s ``GraphPickler``, placeholders' fake tensors
-included), the config (``as_dict()``), the input names and their gears. **What a later
-process still does**: no dynamo trace; it runs graphgear's backend on the stored graph
-(AOTAutograd, passes, per-gear specialisation; Inductor is then served by its own on-disk
-FX graph cache) and captures device graphs, which cannot be saved. graphgear's compiled
-artifacts (capture engines, geared dispatch) are not ``OutputCode``, so torch's bundled
-AOTAutograd cache cannot hold them: that is the gap between this cache and "no compile".
+**What is stored** (one file per key), all through torch's own formats:
+
+* torch's ``save_compiled_function`` payload: dynamo's transformed bytecode and guards;
+* as the backend's part of it, AOTAutograd's *bundled* entry of each graph (the runtime
+  metadata and wrappers AOTAutograd puts around the compiled code; ``_torch.aot_bundling``),
+  whose compiled graph is graphgear's :class:`~graphgear.bundle.GraphgearOutputCode`;
+* in it, the graph's :class:`~graphgear.artifacts.ArtifactStore`: the graph after
+  graphgear's passes (``GraphPickler``), and per graph key (each gear) Inductor's
+  compiled graph (``CompiledFxGraph``: generated source and metadata), recorded as the
+  keys are compiled. ``frozen_parameter`` keys are not stored (their code holds the
+  weights' values, which the key does not cover).
+
+**What a later process does**: no dynamo trace, no AOTAutograd trace, no passes, no
+specialisation, no Inductor compile for a stored key: AOTAutograd's wrappers are rebuilt
+from the entry, graphgear's dispatch from the store, each key's generated module is
+imported from Inductor's code cache (its C++ kernels loaded from Inductor's on-disk
+cache by the hash of their source, compiled when missing). Device graphs are captured
+again (they cannot be saved). A key compiled at run time (a gear the entry did not
+hold) compiles as usual, and the entry is stored again after that call: once per new
+key, never per step.
 
 **Trust.** The file format is ``MAGIC``, one JSON header line (key parts, payload sha256)
 and the payload. Before anything is unpickled, the loader refuses, with a warning naming
@@ -22,13 +33,30 @@ the file and the reason, and then recompiles: a cache folder not owned by the us
 writable by group/others (a symlinked folder is judged by what it resolves to); a symlink
 inside it (entry or sub-folder); an entry file not owned by the user or with a mode other
 than 0600; a payload whose sha256 differs from the header's; a header whose key parts
-(torch/graphgear versions, code hash, ...) differ from this process's. Unpickling itself
-is torch's own (``load_compiled_function``), which builds code objects by design: the
-ownership, mode and checksum checks are what make it safe, not the unpickler.
+(torch/graphgear versions, code hash, ...) differ from this process's.
 
-**Writes** happen only after a new compile, under an exclusive ``fcntl.flock`` on
+**Who unpickles what**, after those checks:
+
+* torch's ``load_compiled_function`` unpickles its own payload (dynamo's bytecode, code
+  objects and guards: it builds code objects by design, so the checks above are what
+  make it safe), and hands graphgear its part as bytes;
+* graphgear's part (AOTAutograd's entry, the stores, Inductor's compiled graphs) goes
+  through :class:`_RestrictedUnpickler`, and the graph inside a store through
+  ``GraphPickler``'s unpickler, both limited to the globals
+  :func:`graphgear.artifacts.allowed_global` lists (TorchAir's ``_StrictModelUnpickler``
+  idea): AOTAutograd's and Inductor's record types, sympy size classes, plain
+  containers; no ``eval``, ``getattr``, ``os``, ``sympify``;
+* Inductor's generated module (the text in the checksummed entry) is written to
+  Inductor's code cache and imported; a file already there with different text is
+  refused (``_torch.inductor_output_load``). Its C++ kernels come from Inductor's
+  private on-disk cache, trusted as ``torch.compile`` trusts it.
+
+**Writes** happen only after a compile, under an exclusive ``fcntl.flock`` on
 ``<folder>/.lock``, to a private temporary file that ``os.replace`` renames: a reader
 never sees a half-written entry, and two writers both succeed (the last rename wins).
+AOTAutograd also writes its own copy of each entry into Inductor's cache folder
+(``aotautograd/``), under a key tagged with the cache entry (``artifacts.cache_tag``),
+so no other compile of the same graph is served it.
 
 **Guards.** Every call of a stored or loaded function checks dynamo's guards first
 (``guard_check``, the same check ``torch.compile`` makes). Where they reject the call (a
@@ -65,6 +93,7 @@ from ._torch import (
     SerializableCallable,
     aot_compiled_backend_result,
     bundled_entry_outputs,
+    inductor_config_digest,
     load_bundled_entry,
     pytree,
     without_dim_markings,
@@ -212,6 +241,7 @@ def key_parts(fn: Any, config: CompilerConfig, args: tuple[Any, ...], kwargs: di
         "config": _digest(config.as_dict()),
         "code": hashlib.sha256(_source_of(fn).encode()).hexdigest(),
         "passes": str(PASSES_VERSION),
+        "inductor": inductor_config_digest(),
         "gears": _digest(gears),
         "inputs": shapes_without_gears,
         "dynamic": str(bool(dynamic)),

@@ -9,14 +9,11 @@ aten-level graph (static when the pipeline dispatches by shape):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
-
-from torch import fx
 
 from .._torch import OpOverload, inductor_lowering
 from ..capture.rules import UNCAPTURABLE
-from ..context import CompileContext
 from ..debug import op_key
 from .eager import compile_eager
 from .inductor import compile_inductor

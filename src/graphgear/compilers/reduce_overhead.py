@@ -17,9 +17,9 @@ from typing import Any
 
 from torch import fx
 
+from ..artifacts import KeyArtifact
 from ..capture import CaptureEngine, UncapturedGraph, find_uncapturable, graph_device
 from ..capture.rules import warn
-from ..artifacts import KeyArtifact
 from ..context import CompileContext
 from ..errors import CaptureError
 from .inductor import compile_static
