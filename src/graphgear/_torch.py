@@ -76,6 +76,8 @@ from torch.utils import _pytree as pytree
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "serializable_guard_filter",
+    "changed_traced_sources",
     "inductor_config_digest",
     "inductor_output_load",
     "inductor_output_for_disk",
@@ -654,6 +656,69 @@ def inductor_config_digest() -> str:
 
     items = sorted((k, repr(v)) for k, v in inductor_config.save_config_portable().items())
     return hashlib.sha256(repr(items).encode()).hexdigest()
+
+
+def serializable_guard_filter(unpicklable_free: Sequence[str] = ()) -> Callable[[Sequence[Any]], list[bool]]:
+    """A ``guard_filter_fn`` for ``aot_compile``: its default (drop guards on globals and
+    guard types torch cannot serialise, ``CheckFunctionManager.
+    UNSUPPORTED_SERIALIZATION_GUARD_TYPES``), also dropping
+
+    * guards whose *derived* types torch cannot serialise (checked on 2.13: transformers'
+      ``check_model_inputs`` wrapper reads ``func.__code__``, and dynamo guards that code
+      object by id, which ``save_compiled_function`` refuses);
+    * guards whose source goes *through* a function held in a closure (a decorated
+      method's inner function: ``...__closure__[1].cell_contents.__name__``, or a path
+      from the free variables ``unpicklable_free`` of the traced function): torch
+      stores such a function as missing, and rebuilding the guard in a later process
+      fails. Guards on a closure cell's own value (a decorator's flag) are kept.
+
+    What the dropped guards protected (the traced code itself) the compile cache checks
+    instead, by source: :func:`changed_traced_sources`; a method replaced at run time
+    (monkeypatched) is not seen, as with torch's own ``aot_compile`` filter, which drops
+    identity guards too."""
+    import re
+
+    from torch._dynamo.guards import CheckFunctionManager
+
+    bad = set(CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES)
+    free = set(unpicklable_free)
+    through = re.compile(r"__closure__\[\d+\]\.cell_contents[.\[]")
+
+    def keep(g: Any) -> bool:
+        if g.is_global or g.guard_type in bad or any(t in bad for t in g.derived_guard_types):
+            return False
+        root = re.split(r"[.\[]", g.name, maxsplit=1)[0]
+        return not (root in free or through.search(g.name))
+
+    def guard_filter(entries: Sequence[Any]) -> list[bool]:
+        return [keep(g) for g in entries]
+
+    return guard_filter
+
+
+
+
+
+def changed_traced_sources(compiled: Any) -> list[str]:
+    """The traced functions (``module:first-last``) whose source lines differ now from
+    when ``compiled`` (an ``AOTCompiledFunction``) was traced: its ``source_info()``
+    keeps a sha256 of every function dynamo inlined (``InlinedSource``; compared as
+    ``torch._dynamo.package._hash_sourcelines`` computes it; checked on 2.13)."""
+    import importlib
+
+    from torch._dynamo.package import _hash_sourcelines
+
+    changed = []
+    for src in sorted(compiled.source_info().inlined_sources, key=lambda s: (s.module, s.firstlineno)):
+        where = f"{src.module}:{src.firstlineno}-{src.lastlineno}"
+        try:
+            module = importlib.import_module(src.module)
+            same = _hash_sourcelines(module, src.firstlineno, src.lastlineno) == src.checksum
+        except Exception:
+            same = False
+        if not same:
+            changed.append(where)
+    return changed
 
 
 def aot_bundling(tag: str) -> contextlib.AbstractContextManager[Any]:

@@ -118,6 +118,7 @@ _ALLOWED: dict[str, frozenset[str]] = {m: frozenset(n.split()) for m, n in {
     "torch.fx.immutable_collections": "immutable_dict immutable_list",
     "torch.fx.passes.shape_prop": "TensorMetadata",
     "torch.serialization": "_get_layout",
+    "torch._utils": "torch.contiguous_format torch.channels_last torch.channels_last_3d torch.preserve_format",
     "torch.utils._ordered_set": "OrderedSet",
     "torch.utils._sympy.functions": "FloorDiv ModularIndexing CleanDiv CeilDiv Max Min PythonMod Mod "
                                     "IntTrueDiv FloatTrueDiv Identity Where ToFloat TruncToInt",

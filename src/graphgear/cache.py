@@ -80,7 +80,9 @@ import json
 import logging
 import os
 import pickle
+import re
 import stat
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -93,9 +95,11 @@ from ._torch import (
     SerializableCallable,
     aot_compiled_backend_result,
     bundled_entry_outputs,
+    changed_traced_sources,
     inductor_config_digest,
     load_bundled_entry,
     pytree,
+    serializable_guard_filter,
     without_dim_markings,
 )
 from .artifacts import allowed_global, cache_tag
@@ -285,6 +289,75 @@ def _strip_geared(obj: Any) -> Any:
     if isinstance(obj, list):
         return [_strip_geared(v) for v in obj]
     return obj
+
+
+def _by_name(obj: Any) -> bool:
+    """Whether pickle can store ``obj`` by reference (its module and qualified name lead
+    back to it)."""
+    module = sys.modules.get(getattr(obj, "__module__", None) or "")
+    target: Any = module
+    for part in (getattr(obj, "__qualname__", "") or "<none>").split("."):
+        target = getattr(target, part, None)
+    return target is obj
+
+
+def _unpicklable_free(func: Any) -> list[str]:
+    """The free variables of ``func`` holding functions pickle cannot store by name."""
+    code = getattr(func, "__code__", None)
+    out = []
+    for name, cell in zip(getattr(code, "co_freevars", ()), getattr(func, "__closure__", None) or ()):
+        try:
+            v = cell.cell_contents
+        except ValueError:
+            continue
+        if inspect.isfunction(v) and not _by_name(v):
+            out.append(name)
+    return out
+
+
+def _closure_objects(func: Any) -> dict[str, Any]:
+    """The functions in ``func``'s closure (and theirs, four deep) that pickle cannot
+    store by reference: a decorated method's inner function (transformers' forwards).
+    torch's precompile keeps the traced function's closure; these travel as its
+    ``external_data`` instead, taken from the same places in a later process's function."""
+    out: dict[str, Any] = {}
+
+    def walk(f: Any, path: str, depth: int) -> None:
+        for i, cell in enumerate(getattr(f, "__closure__", None) or ()):
+            try:
+                v = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if inspect.isfunction(v):
+                if not _by_name(v):
+                    out[f"{path}.{i}"] = v
+                if depth < 4:
+                    walk(v, f"{path}.{i}", depth + 1)
+
+    walk(func, "closure", 0)
+    return out
+
+
+_MODULE_GLOBAL = re.compile(rb"___module_([A-Za-z_][A-Za-z0-9_]*?)_[0-9]+_c[0-9]+")
+
+
+def _module_globals(payload: bytes) -> dict[str, Any]:
+    """The modules dynamo's bytecode in ``payload`` loads as globals it installed by id
+    (``___module_<name>_<id>_c<n>``, ``codegen.create_load_python_module``: transformers'
+    outputs reconstruct through ``collections``): torch's precompile does not store them,
+    so they are passed back to ``load_compiled_function`` (``f_globals``). ``<name>`` is
+    the module's last name part; one that names no loaded module, or several, is left
+    out (torch then refuses the entry for the missing global, and it is recompiled)."""
+    out: dict[str, Any] = {}
+    for m in set(_MODULE_GLOBAL.finditer(payload)):
+        name = m.group(1).decode()
+        mod = sys.modules.get(name)
+        if mod is None:
+            found = [v for k, v in list(sys.modules.items()) if k.rsplit(".", 1)[-1] == name]
+            mod = found[0] if len(found) == 1 else None
+        if mod is not None:
+            out[m.group(0).decode()] = mod
+    return out
 
 
 def _name_of(fn: Any) -> str:
@@ -552,11 +625,19 @@ class CachedFunction:
                 diff = _differing(header["parts"], parts)
                 if header.get("key") != key or diff:
                     raise ValueError(f"its key parts differ ({', '.join(diff) or 'key'})")
-                compiled = torch.compiler.load_compiled_function(io.BytesIO(payload))
+                compiled = torch.compiler.load_compiled_function(
+                    io.BytesIO(payload), f_globals=_module_globals(payload),
+                    external_data=_closure_objects(self._func))
+                changed = changed_traced_sources(compiled)
+                if changed:
+                    raise ValueError(f"the source of traced code changed since it was stored: "
+                                     f"{', '.join(changed[:5])}")
                 compiled.disable_guard_check()  # __call__ checks them first, once
                 graph = aot_compiled_backend_result(compiled)
             except Exception as e:  # refuse, never run it: recompile
                 log.warning("graphgear cache: refusing %s: %s; compiling instead", path, e)
+                for rec in records_since(n0):  # graphs rebuilt before the refusal
+                    rec.cache = "refused"
             else:
                 seconds = time.perf_counter() - t0
                 for rec in records_since(n0):
@@ -596,7 +677,9 @@ class CachedFunction:
         call_args = (self.module, *args) if self.module is not None else args
         with torch.no_grad():
             compiled = torch.compile(self._func, fullgraph=True, dynamic=dynamic,
-                                     backend=_caching_backend(self.config, key)).aot_compile((call_args, kwargs))
+                                     backend=_caching_backend(self.config, key),
+                                     options={"guard_filter_fn": serializable_guard_filter(_unpicklable_free(self._func))},
+                                     ).aot_compile((call_args, kwargs))
         compiled.disable_guard_check()  # __call__ checks them first, once
         stored = self._stored[key] = [path, aot_compiled_backend_result(compiled), -1]
         status = "stored" if path is not None and self._store(compiled, key, parts, stored) else "miss"
@@ -611,7 +694,7 @@ class CachedFunction:
         version = graph.version()
         stored[2] = version
         try:
-            payload = type(compiled).serialize(compiled).serialized_data
+            payload = type(compiled).serialize(compiled, _closure_objects(self._func)).serialized_data
             _write_entry(path, _name_of(self.fn), key, parts, payload)
         except Exception as e:  # a cache that cannot be written must not break serving
             log.warning("graphgear cache: could not store %s: %s", path, e)
