@@ -54,6 +54,7 @@ import torch
 from torch import fx
 
 from .._torch import StorageWeakRef, has_internal_overlap
+from ..dispatch import precompiling
 from ..errors import CaptureError
 from ..stats import register_release
 from . import liveness
@@ -147,8 +148,11 @@ class CaptureEngine:
                  native_warmup: bool = False) -> None:
         self.gm = gm
         self.compile_static = compile_static
-        # warm up on the CPU with the native code instead of the FX graph (the compile
-        # cache: the code is loaded, not compiled, and ``gm`` is the dynamic graph)
+        # inside precompile_gears, warm up on the CPU with the native code instead of the
+        # FX graph (the compile cache: the code is loaded, not compiled, and ``gm`` may be
+        # the dynamic graph). Only there: those warm-up outputs are discarded and the
+        # inputs they wrote restored; a warm-up a caller sees runs the FX graph, as in the
+        # process that stored the entry, so its outputs are the same bit for bit
         self.native_warmup = native_warmup and device.type == "cpu"
         self.ctx = ctx
         self.record = ctx.record
@@ -293,7 +297,7 @@ class CaptureEngine:
         if self.device.type in ("cuda", "npu"):
             graph = self._device_graph(args)
             return graph.warmup(list(args))
-        if self.native_warmup:  # no record is active: the code allocates as usual
+        if self.native_warmup and precompiling() is not None:  # no record: it allocates as usual
             return list(self._executor_for(args).run(list(args)))
         return list(self.gm(*args))
 
