@@ -26,7 +26,7 @@ from .shapes import ShapeInfo, specialize
 from .stats import new_record
 
 if TYPE_CHECKING:
-    from .artifacts import ArtifactStore
+    from .artifacts import ArtifactStore, KeyArtifact
     from .config import CompilerConfig
 
 log = logging.getLogger(__name__)
@@ -114,17 +114,15 @@ def rebuild_graph(artifacts: ArtifactStore, config: CompilerConfig) -> Callable[
     return fn
 
 
-def _mode_compile(compiler: Any, gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: CompileContext,
-                  mode: str, key: tuple[int, ...]) -> tuple[Callable[..., Any], bool]:
-    """``compiler`` on ``gm`` for graph key ``key``, with the key's stored code where
-    the compile cache has it; and whether it was loaded."""
-    loaded = None
-    if ctx.artifacts is not None and mode in _STORED_KIND:
-        loaded = ctx.artifacts.load(key, _STORED_KIND[mode], ctx.stage)
+def _stored(ctx: CompileContext, mode: str, key: tuple[int, ...]) -> KeyArtifact | None:
+    """The compile cache's code of graph key ``key``, loaded, or None (not stored, or it
+    could not be loaded: then the key is compiled as usual)."""
+    if ctx.artifacts is None or mode not in _STORED_KIND or key not in ctx.artifacts.keys:
+        return None
+    loaded: KeyArtifact | None = ctx.artifacts.load(key, _STORED_KIND[mode], ctx.stage)
     if loaded is not None:
         ctx.record.loaded_keys += 1
-        return compiler(gm, example_inputs, ctx, key=key, loaded=loaded), True
-    return compiler(gm, example_inputs, ctx, key=key), False
+    return loaded
 
 
 #: the kind of stored code per mode (``artifacts.KeyArtifact.kind``)
@@ -143,7 +141,7 @@ def _compile_by_shape(
     compiler = MODE_COMPILERS[mode]
     info = ShapeInfo(gm)
     if not info.is_dynamic:
-        return _mode_compile(compiler, gm, example_inputs, ctx, mode, ())[0]
+        return compiler(gm, example_inputs, ctx, key=(), loaded=_stored(ctx, mode, ()))
     plan = None
     if ctx.stage != "backward":
         plan = GearPlan.build(
@@ -166,14 +164,14 @@ def _compile_by_shape(
 
         def build(key: tuple[int, ...]) -> Callable[..., Any]:
             t0 = time.perf_counter()
-            if ctx.artifacts is not None and key in ctx.artifacts.keys:
-                # stored: the key's code is loaded; the dynamic graph stands in for the
-                # static one where the mode compiler runs the FX graph itself (warm-up)
-                fn, loaded = _mode_compile(compiler, gm, example_inputs, ctx, mode, key)
-                if loaded:
-                    ctx.record.compile_seconds += time.perf_counter() - t0
-                    log.info("graphgear: %s key %s loaded from the compile cache", ctx.record.name, key)
-                    return _convention(fn, boxed=True)
+            loaded = _stored(ctx, mode, key)
+            if loaded is not None:
+                # the key's code is loaded; the dynamic graph stands in for the static
+                # one where the mode compiler runs the FX graph itself (warm-up)
+                fn = _convention(compiler(gm, example_inputs, ctx, key=key, loaded=loaded), boxed=True)
+                ctx.record.compile_seconds += time.perf_counter() - t0
+                log.info("graphgear: %s key %s loaded from the compile cache", ctx.record.name, key)
+                return fn
             static_gm, static_inputs = specialize(gm, info, key)
             fn = _convention(compiler(static_gm, static_inputs, ctx, key=key), boxed=True)
             ctx.record.compiles += 1
