@@ -148,11 +148,11 @@ class CaptureEngine:
                  native_warmup: bool = False) -> None:
         self.gm = gm
         self.compile_static = compile_static
-        # inside precompile_gears, warm up on the CPU with the native code instead of the
-        # FX graph (the compile cache: the code is loaded, not compiled, and ``gm`` may be
-        # the dynamic graph). Only there: those warm-up outputs are discarded and the
-        # inputs they wrote restored; a warm-up a caller sees runs the FX graph, as in the
-        # process that stored the entry, so its outputs are the same bit for bit
+        # the compile cache's loaded code on the CPU (``gm`` may be the dynamic graph):
+        # a warm-up inside precompile_gears, whose outputs are dropped and whose input
+        # writes are undone, is skipped (the code's first run is then the capture, as in
+        # the process that compiled it, where the warm-up ran the FX graph); a warm-up a
+        # caller sees runs the FX graph, as there, so its outputs are the same bit for bit
         self.native_warmup = native_warmup and device.type == "cpu"
         self.ctx = ctx
         self.record = ctx.record
@@ -297,8 +297,10 @@ class CaptureEngine:
         if self.device.type in ("cuda", "npu"):
             graph = self._device_graph(args)
             return graph.warmup(list(args))
-        if self.native_warmup and precompiling() is not None:  # no record: it allocates as usual
-            return list(self._executor_for(args).run(list(args)))
+        if self.native_warmup:
+            state = precompiling()
+            if state is not None and state.get("discard"):
+                return []
         return list(self.gm(*args))
 
     def _executor_for(self, args: list[Any]) -> Any:
