@@ -1,6 +1,8 @@
-"""A fresh process for tests/test_cache.py and benchmarks/bench_cache.py: build the
-embedded decoder (fixed seed), serve it through graphgear.inference.cache_compile, print
-one JSON line (outputs' sha256, stats' cache fields, seconds from start to first output)."""
+"""A fresh process for tests/test_cache.py and benchmarks/bench_cache.py: build a model
+(fixed seed: the embedded decoder, or a transformers Llama with ``--model llama``), serve
+it through graphgear.inference.cache_compile (or plain graphgear / torch.compile), print
+one JSON line: outputs' sha256, stats' cache fields, how many AOTAutograd and Inductor
+compiles ran, seconds from interpreter start to imports done and to the first output."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import argparse  # noqa: E402
 import hashlib  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
+from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -19,10 +22,42 @@ import graphgear  # noqa: E402
 from graphgear.cachedir import use_private_inductor_cache  # noqa: E402
 from graphgear.toy_decoder import DecoderConfig, ToyDecoder  # noqa: E402
 
+T_IMPORTS = time.perf_counter() - T0
+
+
+def _inputs(model_kind: str, batch: int, gears: list[int], mark: bool) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    def geared(t: torch.Tensor) -> torch.Tensor:
+        if mark:
+            graphgear.set_dim_gears(t, {0: gears})
+        return t
+
+    if model_kind == "llama":
+        ids = geared(torch.randint(0, 128, (batch, 8), generator=torch.Generator().manual_seed(1)))
+        pos = geared(torch.arange(8).repeat(batch, 1))
+        return (), {"input_ids": ids, "position_ids": pos, "use_cache": False}
+    tokens = geared(torch.randint(0, 512, (batch, 1), generator=torch.Generator().manual_seed(1)))
+    return (tokens, torch.tensor([3])), {}
+
+
+def _model(kind: str, layers: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if kind == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                          num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+        return LlamaForCausalLM(cfg).eval()
+    return ToyDecoder(DecoderConfig(num_layers=layers)).eval()
+
+
+def _tensor(out: Any) -> torch.Tensor:
+    return out.logits if hasattr(out, "logits") else out
+
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--cache-dir", required=True)
+    p.add_argument("--model", choices=["decoder", "llama"], default="decoder")
     p.add_argument("--mode", default="reduce-overhead")
     p.add_argument("--gears", default="", help="comma-separated gears of the batch dim (none by default)")
     p.add_argument("--batch", type=int, default=4)
@@ -31,40 +66,51 @@ def main() -> None:
     p.add_argument("--no-cache", action="store_true", help="plain graphgear torch.compile")
     p.add_argument("--torch-default", action="store_true", help="torch.compile default (Inductor)")
     p.add_argument("--precompile", action="store_true", help="build every gear before the first output")
+    p.add_argument("--steps", type=int, default=1, help="calls after the first (same input spec)")
     a = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="LOG %(name)s %(message)s")
     use_private_inductor_cache()
-    torch.manual_seed(0)
-    model = ToyDecoder(DecoderConfig(num_layers=a.layers)).eval()
-    tokens = torch.randint(0, 512, (a.batch, 1))
-    positions = torch.tensor([3])
+    from torch._dynamo.utils import counters  # the test reads how many compiles ran
+
+    model = _model(a.model, a.layers)
     gears = [int(g) for g in a.gears.split(",") if g]
     mark = bool(gears) and not a.torch_default  # torch's default specialises the batch dim
-    if mark:
-        graphgear.set_dim_gears(tokens, {0: gears})
+    args, kwargs = _inputs(a.model, a.batch, gears, mark)
     config = graphgear.CompilerConfig()
     config.mode = a.mode
     if a.torch_default:
-        fn = torch.compile(model)
+        fn: Any = torch.compile(model)
     elif a.no_cache:
         fn = torch.compile(model, backend=graphgear.get_backend(config))
     else:
         fn = graphgear.inference.cache_compile(model, config=config, cache_dir=a.cache_dir, rank=a.rank)
+    reset = getattr(model, "reset_cache", lambda: None)
     with torch.no_grad():
-        if a.precompile:
+        if a.precompile and mark:  # every gear built (and captured) by one call
+            graphgear.inference.precompile_gears(fn, *args, **kwargs)
+            reset()
+        elif a.precompile:  # torch.compile: one call per gear size
             for g in gears:
-                t = torch.zeros(g, 1, dtype=torch.long)
-                if mark:
-                    graphgear.set_dim_gears(t, {0: gears})
-                fn(t, positions)
-            model.reset_cache()
-        out = fn(tokens, positions)
-    ready = time.perf_counter() - T0
+                ga, gk = _inputs(a.model, g, gears, False)
+                fn(*ga, **gk)
+            reset()
+        out = _tensor(fn(*args, **kwargs)).clone()  # a reduce-overhead output lives until the next replay
+        ready = time.perf_counter() - T0
+        again = out
+        for _ in range(a.steps):
+            reset()
+            again = _tensor(fn(*args, **kwargs)).clone()
     recs = graphgear.stats().graphs
     print("RESULT " + json.dumps({
         "sha": hashlib.sha256(out.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest(),
+        "steady": bool(torch.equal(out, again)),
         "cache": [r.cache for r in recs], "load_s": [r.cache_load_seconds for r in recs],
-        "compiles": sum(r.compiles for r in recs), "ready_s": ready}))
+        "compiles": sum(r.compiles for r in recs), "loaded_keys": sum(r.loaded_keys for r in recs),
+        "captures": sum(r.captures for r in recs),
+        "aot_compiles": counters["aot_autograd"]["total"],
+        "inductor_compiles": counters["inductor"]["fxgraph_cache_hit"] + counters["inductor"]["fxgraph_cache_miss"]
+        + counters["inductor"]["fxgraph_cache_bypass"],
+        "stores": getattr(fn, "stores", 0), "imports_s": T_IMPORTS, "ready_s": ready}))
 
 
 if __name__ == "__main__":

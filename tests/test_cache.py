@@ -58,6 +58,75 @@ def test_second_process_hits_bit_for_bit(stored: tuple[Path, dict[str, Any]]) ->
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
+def test_hit_compiles_nothing_and_is_bit_equal(tmp_path: Path, mode: str) -> None:
+    """A hit rebuilds every gear from the entry: no AOTAutograd trace, no graphgear
+    compile (passes, specialisation), no Inductor compile (counted by dynamo's and
+    Inductor's own counters), and the outputs equal the storing process's bit for bit."""
+    folder = tmp_path / "m"
+    folder.mkdir(mode=0o700)
+    run = ("--mode", mode, "--layers", "1", "--gears", "1,2,4", "--precompile", "--steps", "2")
+    first = _worker(folder, *run)
+    assert first["cache"] == ["stored"] and first["compiles"] == 3 and first["aot_compiles"] == 1
+    assert first["inductor_compiles"] == 3
+    second = _worker(folder, *run)
+    assert second["cache"] == ["hit"] and second["loaded_keys"] == 3, second
+    assert (second["compiles"], second["aot_compiles"], second["inductor_compiles"]) == (0, 0, 0)
+    assert second["sha"] == first["sha"] and second["steady"]
+    assert second["stores"] == 0 and "graphgear cache: stored" not in second["log"]
+    if mode == "reduce-overhead":
+        assert second["captures"] == 3  # device graphs are captured per process
+
+
+@pytest.mark.slow
+def test_runtime_recompile_stores_once_per_new_key_not_per_step(tmp_path: Path) -> None:
+    """Steps on a compiled key write nothing; a key compiled at run time (a new batch
+    size inside the gears) updates the entry once, and a third process loads it too."""
+    folder = tmp_path / "r"
+    folder.mkdir(mode=0o700)
+    base = ("--layers", "1", "--gears", "1,2,4", "--steps", "5")
+    first = _worker(folder, *base)  # batch 4 only: warm-up, capture (one store), replays
+    assert first["cache"] == ["stored"] and first["stores"] == 2  # the entry, then key (4,)
+    second = _worker(folder, *base, "--batch", "2")  # the same entry; key (2,) is new
+    assert second["cache"] == ["hit"] and second["compiles"] == 1 and second["stores"] == 1
+    third = _worker(folder, *base, "--batch", "2")
+    assert third["cache"] == ["hit"] and third["compiles"] == 0 and third["stores"] == 0
+    assert third["loaded_keys"] == 1 and third["sha"] == second["sha"]
+
+
+def test_entry_unpickler_allows_only_listed_globals() -> None:
+    import io
+    import pickle
+
+    for evil in (os.system, eval, getattr, __import__("subprocess").Popen):
+        with pytest.raises(pickle.UnpicklingError, match="is not allowed here"):
+            gcache._RestrictedUnpickler(io.BytesIO(pickle.dumps(evil))).load()
+    assert not gcache.allowed_global("builtins", "eval")
+    assert not gcache.allowed_global("sympy.core.sympify", "sympify")
+    assert gcache.allowed_global("torch", "float16") and gcache.allowed_global("torch", "Size")
+    ok = {"a": [1, 2.0, (3,)], "b": torch.Size([2, 3])}
+    assert gcache._RestrictedUnpickler(io.BytesIO(pickle.dumps(ok))).load() == ok
+
+
+def test_graph_unpickler_refuses_unlisted_globals() -> None:
+    """The graph inside an entry goes through GraphPickler's unpickler with the same list."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from graphgear._torch import graph_pickle_loads
+    from graphgear.artifacts import ArtifactStore
+
+    x = torch.randn(3)
+    gm = make_fx(lambda x: torch.relu(x) + 1, tracing_mode="fake")(x)  # an aten graph, as AOTAutograd's
+    store = ArtifactStore()
+    store.keep_graph(gm, [x], {"stage": "inference"})
+    assert store.graph is not None
+    with pytest.raises(Exception, match="is not allowed here"):
+        graph_pickle_loads(store.graph, lambda m, n: False)
+    loaded, inputs = store.load_graph()  # allowed_global
+    assert torch.equal(loaded(x), torch.relu(x) + 1) and tuple(inputs[0].shape) == (3,)
+
+
+@pytest.mark.slow
 def test_geared_entry_hits_in_a_second_process(tmp_path: Path) -> None:
     """torch 2.13's serialised guards reject tensors marked by set_dim_gears; the cache
     passes them unmarked, so a geared entry loads, passes its guards and runs."""

@@ -20,11 +20,11 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "graphgear"
 LAYERS: list[set[str]] = [
     {"graphgear.errors", "graphgear._torch", "graphgear.cachedir", "graphgear.toy_decoder"},
     {"graphgear.config", "graphgear.stats", "graphgear.debug", "graphgear.context"},
-    {"graphgear.shapes", "graphgear.inputs", "graphgear.gears", "graphgear.dispatch"},
+    {"graphgear.shapes", "graphgear.inputs", "graphgear.gears", "graphgear.dispatch", "graphgear.artifacts"},
     {"graphgear.capture"},
     {"graphgear.passes"},
     {"graphgear.compilers"},
-    {"graphgear.pipeline"},
+    {"graphgear.pipeline", "graphgear.bundle"},
     {"graphgear.backend"},
     {"graphgear.cache"},
     {"graphgear.inference", "graphgear.bench"},

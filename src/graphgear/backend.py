@@ -31,15 +31,18 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from . import debug
 from ._torch import (
     OpOverload,
+    aot_bundling,
     aot_module_simplified,
     aot_partition_fn,
     backend_compiler_failed,
     fake_mode_of,
     has_dynamo_graph_arg,
     make_fx_allowing_real_inputs,
+    serializable_compiler,
     tracing,
     unset_fake_temporarily,
 )
+from .bundle import GraphgearOutputCode, bundled_compiler
 from .capture import MemoryPool
 from .compilers.inductor import inductor_decompositions
 from .config import CompilerConfig, apply_options, mode_of
@@ -251,6 +254,7 @@ class GraphgearBackend:
         mode: str | None,
         options: Mapping[str, Any] | None,
         kwargs: Mapping[str, Any],
+        bundle: list[GraphgearOutputCode] | None = None,
     ) -> Callable[..., Any]:
         if kwargs:
             raise ConfigError(
@@ -265,9 +269,11 @@ class GraphgearBackend:
             keep_size_one_dynamic([s for d in inputs.dim_gears.values() for g in d.values() for s in g])
         if config.debug.graph_dump.type is not None:
             debug.dump_graph(gm, config, "dynamo", "dynamo")
-        compiler = functools.partial(
+        compiler: Callable[..., Any] = functools.partial(
             compile_graph, config=config, input_names=inputs.names, boxed=True
         )
+        if bundle is not None:
+            compiler = bundled_compiler(compiler, config, bundle)
         fw_compiler, inference_compiler, joint_compiler = _wrap_compiler(compiler, config)
         n = len(example_inputs)
         fw_compiler = _set_gear_to_compiler(fw_compiler, config, inputs.dim_gears, inputs.names, n)
@@ -283,13 +289,26 @@ class GraphgearBackend:
         return aot_module_simplified(
             gm,
             example_inputs,
-            fw_compiler=fw_compiler,
+            fw_compiler=serializable_compiler(fw_compiler) if bundle is not None else fw_compiler,
             bw_compiler=joint_compiler,
             inference_compiler=inference_compiler,
             partition_fn=_get_partition_fn(config, pre_grad_done=fused is not None),
             decompositions=decompositions,
             keep_inference_input_mutations=config.experimental_config.keep_inference_input_mutations,
         )
+
+
+    def compile_bundled(self, gm: fx.GraphModule, example_inputs: Sequence[Any],
+                        tag: str) -> tuple[Callable[..., Any], list[GraphgearOutputCode]]:
+        """Compile as :meth:`__call__` does, keeping AOTAutograd's bundled entry
+        (``result.serialize()``) whose compiled graphs are graphgear's
+        :class:`~graphgear.bundle.GraphgearOutputCode`; also returns those (one per
+        graph AOTAutograd compiled). ``tag`` keeps AOTAutograd's own on-disk copy of the
+        entry apart from other compiles of the same graph (``_torch.aot_bundling``)."""
+        made: list[GraphgearOutputCode] = []
+        with aot_bundling(tag):
+            compiled = self._compile(gm, example_inputs, None, None, {}, bundle=made)
+        return compiled, made
 
 
 def _from_dynamo(gm: fx.GraphModule) -> bool:

@@ -1,4 +1,4 @@
-"""A compile cache: a restarted process serves without dynamo tracing the function.
+"""A compile cache: a restarted process serves without tracing or compiling.
 
 :func:`cache_compile` (also ``graphgear.inference.cache_compile``) wraps a function or an
 ``nn.Module``. On a call with an input spec it has no entry for, it builds the cache key,
@@ -6,15 +6,26 @@ and either loads a trusted entry (``stats()``: ``cache="hit"``) or compiles with
 2.13's precompile (``torch.compile(fn, fullgraph=True).aot_compile(...)``) and stores the
 result (``"stored"``).
 
-**What is stored** (one file per key): torch's ``save_compiled_function`` payload, that is
-dynamo's transformed bytecode and guards, plus graphgear's :class:`_CachedGraph`: dynamo's
-FX graph (pickled with ``torch.fx``'s ``GraphPickler``, placeholders' fake tensors
-included), the config (``as_dict()``), the input names and their gears. **What a later
-process still does**: no dynamo trace; it runs graphgear's backend on the stored graph
-(AOTAutograd, passes, per-gear specialisation; Inductor is then served by its own on-disk
-FX graph cache) and captures device graphs, which cannot be saved. graphgear's compiled
-artifacts (capture engines, geared dispatch) are not ``OutputCode``, so torch's bundled
-AOTAutograd cache cannot hold them: that is the gap between this cache and "no compile".
+**What is stored** (one file per key), all through torch's own formats:
+
+* torch's ``save_compiled_function`` payload: dynamo's transformed bytecode and guards;
+* as the backend's part of it, AOTAutograd's *bundled* entry of each graph (the runtime
+  metadata and wrappers AOTAutograd puts around the compiled code; ``_torch.aot_bundling``),
+  whose compiled graph is graphgear's :class:`~graphgear.bundle.GraphgearOutputCode`;
+* in it, the graph's :class:`~graphgear.artifacts.ArtifactStore`: the graph after
+  graphgear's passes (``GraphPickler``), and per graph key (each gear) Inductor's
+  compiled graph (``CompiledFxGraph``: generated source and metadata), recorded as the
+  keys are compiled. ``frozen_parameter`` keys are not stored (their code holds the
+  weights' values, which the key does not cover).
+
+**What a later process does**: no dynamo trace, no AOTAutograd trace, no passes, no
+specialisation, no Inductor compile for a stored key: AOTAutograd's wrappers are rebuilt
+from the entry, graphgear's dispatch from the store, each key's generated module is
+imported from Inductor's code cache (its C++ kernels loaded from Inductor's on-disk
+cache by the hash of their source, compiled when missing). Device graphs are captured
+again (they cannot be saved). A key compiled at run time (a gear the entry did not
+hold) compiles as usual, and the entry is stored again after that call: once per new
+key, never per step.
 
 **Trust.** The file format is ``MAGIC``, one JSON header line (key parts, payload sha256)
 and the payload. Before anything is unpickled, the loader refuses, with a warning naming
@@ -22,13 +33,30 @@ the file and the reason, and then recompiles: a cache folder not owned by the us
 writable by group/others (a symlinked folder is judged by what it resolves to); a symlink
 inside it (entry or sub-folder); an entry file not owned by the user or with a mode other
 than 0600; a payload whose sha256 differs from the header's; a header whose key parts
-(torch/graphgear versions, code hash, ...) differ from this process's. Unpickling itself
-is torch's own (``load_compiled_function``), which builds code objects by design: the
-ownership, mode and checksum checks are what make it safe, not the unpickler.
+(torch/graphgear versions, code hash, ...) differ from this process's.
 
-**Writes** happen only after a new compile, under an exclusive ``fcntl.flock`` on
+**Who unpickles what**, after those checks:
+
+* torch's ``load_compiled_function`` unpickles its own payload (dynamo's bytecode, code
+  objects and guards: it builds code objects by design, so the checks above are what
+  make it safe), and hands graphgear its part as bytes;
+* graphgear's part (AOTAutograd's entry, the stores, Inductor's compiled graphs) goes
+  through :class:`_RestrictedUnpickler`, and the graph inside a store through
+  ``GraphPickler``'s unpickler, both limited to the globals
+  :func:`graphgear.artifacts.allowed_global` lists (TorchAir's ``_StrictModelUnpickler``
+  idea): AOTAutograd's and Inductor's record types, sympy size classes, plain
+  containers; no ``eval``, ``getattr``, ``os``, ``sympify``;
+* Inductor's generated module (the text in the checksummed entry) is written to
+  Inductor's code cache and imported; a file already there with different text is
+  refused (``_torch.inductor_output_load``). Its C++ kernels come from Inductor's
+  private on-disk cache, trusted as ``torch.compile`` trusts it.
+
+**Writes** happen only after a compile, under an exclusive ``fcntl.flock`` on
 ``<folder>/.lock``, to a private temporary file that ``os.replace`` renames: a reader
 never sees a half-written entry, and two writers both succeed (the last rename wins).
+AOTAutograd also writes its own copy of each entry into Inductor's cache folder
+(``aotautograd/``), under a key tagged with the cache entry (``artifacts.cache_tag``),
+so no other compile of the same graph is served it.
 
 **Guards.** Every call of a stored or loaded function checks dynamo's guards first
 (``guard_check``, the same check ``torch.compile`` makes). Where they reject the call (a
@@ -43,7 +71,6 @@ graphgear checks the gears itself.
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import fcntl
 import hashlib
@@ -53,7 +80,9 @@ import json
 import logging
 import os
 import pickle
+import re
 import stat
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -65,24 +94,27 @@ from torch import nn
 
 from ._torch import (
     SerializableCallable,
-    autograd_cache_off,
-    graph_pickle_dumps,
-    graph_pickle_loads,
+    aot_compiled_backend_result,
+    bundled_entry_outputs,
+    changed_traced_sources,
+    inductor_config_digest,
+    load_bundled_entry,
     pytree,
-    tracing_with,
+    serializable_guard_filter,
     without_dim_markings,
 )
+from .artifacts import allowed_global, cache_tag
 from .backend import get_backend
+from .bundle import GraphgearOutputCode
 from .cachedir import default_cache_root, unsafe_reason
 from .config import CompilerConfig
 from .gears import get_dim_gears
-from .inputs import GraphInputs
 from .passes import PASSES_VERSION
 from .stats import record_count, records_since
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CacheEntry", "cache_compile", "cache_folder", "clear_entries", "list_entries"]
+__all__ = ["CacheEntry", "allowed_global", "cache_compile", "cache_folder", "clear_entries", "list_entries"]
 
 MAGIC = b"GRAPHGEAR-CACHE-1\n"
 SUFFIX = ".ggc"
@@ -212,6 +244,7 @@ def key_parts(fn: Any, config: CompilerConfig, args: tuple[Any, ...], kwargs: di
         "config": _digest(config.as_dict()),
         "code": hashlib.sha256(_source_of(fn).encode()).hexdigest(),
         "passes": str(PASSES_VERSION),
+        "inductor": inductor_config_digest(),
         "gears": _digest(gears),
         "inputs": shapes_without_gears,
         "dynamic": str(bool(dynamic)),
@@ -257,6 +290,75 @@ def _strip_geared(obj: Any) -> Any:
     return obj
 
 
+def _by_name(obj: Any) -> bool:
+    """Whether pickle can store ``obj`` by reference (its module and qualified name lead
+    back to it)."""
+    module = sys.modules.get(getattr(obj, "__module__", None) or "")
+    target: Any = module
+    for part in (getattr(obj, "__qualname__", "") or "<none>").split("."):
+        target = getattr(target, part, None)
+    return target is obj
+
+
+def _unpicklable_free(func: Any) -> list[str]:
+    """The free variables of ``func`` holding functions pickle cannot store by name."""
+    code = getattr(func, "__code__", None)
+    out = []
+    for name, cell in zip(getattr(code, "co_freevars", ()), getattr(func, "__closure__", None) or ()):
+        try:
+            v = cell.cell_contents
+        except ValueError:
+            continue
+        if inspect.isfunction(v) and not _by_name(v):
+            out.append(name)
+    return out
+
+
+def _closure_objects(func: Any) -> dict[str, Any]:
+    """The functions in ``func``'s closure (and theirs, four deep) that pickle cannot
+    store by reference: a decorated method's inner function (transformers' forwards).
+    torch's precompile keeps the traced function's closure; these travel as its
+    ``external_data`` instead, taken from the same places in a later process's function."""
+    out: dict[str, Any] = {}
+
+    def walk(f: Any, path: str, depth: int) -> None:
+        for i, cell in enumerate(getattr(f, "__closure__", None) or ()):
+            try:
+                v = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if inspect.isfunction(v):
+                if not _by_name(v):
+                    out[f"{path}.{i}"] = v
+                if depth < 4:
+                    walk(v, f"{path}.{i}", depth + 1)
+
+    walk(func, "closure", 0)
+    return out
+
+
+_MODULE_GLOBAL = re.compile(rb"___module_([A-Za-z_][A-Za-z0-9_]*?)_[0-9]+_c[0-9]+")
+
+
+def _module_globals(payload: bytes) -> dict[str, Any]:
+    """The modules dynamo's bytecode in ``payload`` loads as globals it installed by id
+    (``___module_<name>_<id>_c<n>``, ``codegen.create_load_python_module``: transformers'
+    outputs reconstruct through ``collections``): torch's precompile does not store them,
+    so they are passed back to ``load_compiled_function`` (``f_globals``). ``<name>`` is
+    the module's last name part; one that names no loaded module, or several, is left
+    out (torch then refuses the entry for the missing global, and it is recompiled)."""
+    out: dict[str, Any] = {}
+    for m in set(_MODULE_GLOBAL.finditer(payload)):
+        name = m.group(1).decode()
+        mod = sys.modules.get(name)
+        if mod is None:
+            found = [v for k, v in list(sys.modules.items()) if k.rsplit(".", 1)[-1] == name]
+            mod = found[0] if len(found) == 1 else None
+        if mod is not None:
+            out[m.group(0).decode()] = mod
+    return out
+
+
 def _name_of(fn: Any) -> str:
     target = type(fn) if isinstance(fn, nn.Module) else fn
     name = getattr(target, "__qualname__", None) or type(target).__name__
@@ -270,56 +372,49 @@ _Base: Any = SerializableCallable if SerializableCallable is not None else objec
 
 
 class _CachedGraph(_Base):  # type: ignore[misc,valid-type]
-    """The result of graphgear's backend under ``aot_compile``: the compiled callable, and
-    what a later process needs to rebuild it without dynamo (the dynamo graph, config,
-    input names and gears)."""
+    """The result of graphgear's backend under ``aot_compile``: AOTAutograd's compiled
+    function with its bundled entry (``compiled.serialize()``), whose graphs are
+    graphgear's :class:`~graphgear.bundle.GraphgearOutputCode` (``outputs``)."""
 
-    def __init__(self, gm: torch.fx.GraphModule, config: dict[str, Any], names: list[str],
-                 gears: dict[int, dict[int, list[int]]], compiled: Callable[..., Any]) -> None:
-        self.gm, self.config, self.names, self.gears, self.compiled = gm, config, names, gears, compiled
+    def __init__(self, compiled: Callable[..., Any], outputs: list[GraphgearOutputCode]) -> None:
+        self.compiled, self.outputs = compiled, outputs
+
+    def version(self) -> int:
+        """Moves when a graph compiles a key it did not hold (see ``artifacts``)."""
+        return sum(o.store.version for o in self.outputs if o.store is not None)
 
     @classmethod
     def serialize_compile_artifacts(cls, fn: _CachedGraph) -> bytes:
-        gm = fn.gm
-        for n in gm.graph.nodes:  # AOTAutograd re-traces: only the inputs' fake tensors are needed
-            keep = {"example_value": n.meta["example_value"]} if n.op == "placeholder" and "example_value" in n.meta else {}
-            n.meta.clear()
-            n.meta.update(keep)
-        gm.meta.clear()
-        return pickle.dumps({"gm": graph_pickle_dumps(gm), "config": fn.config, "names": fn.names,
-                             "gears": fn.gears})
+        entry = fn.compiled.serialize()  # AOTAutograd's bundled entry, ready to pickle
+        if entry is None:
+            raise RuntimeError("AOTAutograd kept no bundled entry of this graph")
+        return pickle.dumps(entry, protocol=pickle.HIGHEST_PROTOCOL)
 
     @classmethod
     def deserialize_compile_artifacts(cls, data: bytes) -> _CachedGraph:
-        state = _RestrictedUnpickler(io.BytesIO(data)).load()
-        gm, fake_mode = graph_pickle_loads(state["gm"])
-        gm.recompile()
-        example_inputs = [n.meta["example_value"] for n in gm.graph.find_nodes(op="placeholder")]
-        config = CompilerConfig.from_dict(state["config"])
-        # the gears reach the backend by input name (inference_config.input_gears)
-        config.inference_config.input_gears = {state["names"][i]: d for i, d in state["gears"].items()}
-        with tracing_with(fake_mode), torch.no_grad(), autograd_cache_off():
-            compiled = get_backend(config)(gm, example_inputs)
-        return cls(gm, state["config"], state["names"], state["gears"], compiled)
+        entry = _RestrictedUnpickler(io.BytesIO(data)).load()
+        outputs = [o for o in bundled_entry_outputs(entry) if isinstance(o, GraphgearOutputCode)]
+        if not outputs:
+            raise ValueError("the entry holds no graphgear graph")
+        return cls(load_bundled_entry(entry), outputs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.compiled(*args, **kwargs)
 
 
 class _RestrictedUnpickler(pickle.Unpickler):
-    """graphgear's own part of an entry holds only builtin containers and ``bytes``."""
+    """graphgear's part of an entry: only the types :func:`allowed_global` names."""
 
     def find_class(self, module: str, name: str) -> Any:
-        raise pickle.UnpicklingError(f"graphgear cache: global {module}.{name} is not allowed here")
+        if not allowed_global(module, name):
+            raise pickle.UnpicklingError(f"graphgear cache: global {module}.{name} is not allowed here")
+        return super().find_class(module, name)
 
 
-def _caching_backend(config: CompilerConfig) -> Callable[..., Any]:
+def _caching_backend(config: CompilerConfig, key: str) -> Callable[..., Any]:
     def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> _CachedGraph:
-        inputs = GraphInputs.from_dynamo(gm, example_inputs, config.inference_config.input_gears)
-        keep = copy.deepcopy(gm)
-        with autograd_cache_off():
-            compiled = get_backend(config)(gm, example_inputs)
-        return _CachedGraph(keep, config.as_dict(), list(inputs.names), dict(inputs.dim_gears), compiled)
+        compiled, outputs = get_backend(config).compile_bundled(gm, example_inputs, cache_tag(key))
+        return _CachedGraph(compiled, outputs)
 
     backend.__name__ = "graphgear_cache"
     return backend
@@ -462,6 +557,9 @@ class CachedFunction:
         self.rank = rank
         self._loaded: dict[str, Any] = {}  # key -> AOTCompiledFunction, or the fallback
         self._keys: dict[Any, tuple[str, dict[str, str]]] = {}  # call signature -> key
+        # key -> (entry path or None, the backend's _CachedGraph, its version when stored)
+        self._stored: dict[str, list[Any]] = {}
+        self.stores = 0  # entry files written by this object (tests: not one per step)
         self._fallback: Any = None
         self._warned = False
 
@@ -487,7 +585,11 @@ class CachedFunction:
         call_args = (self.module, *args) if self.module is not None else args
         if not compiled.guard_check(*call_args, **kwargs):
             return self._run_uncached(key, args, kwargs)
-        return self._call(compiled, args, kwargs)
+        out = self._call(compiled, args, kwargs)
+        stored = self._stored.get(key)
+        if stored is not None and stored[0] is not None and stored[1].version() != stored[2]:
+            self._store(compiled, key, parts, stored)  # it compiled a key it did not hold
+        return out
 
     def _run_uncached(self, key: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The entry's guards reject this call: run it through plain torch.compile."""
@@ -522,15 +624,25 @@ class CachedFunction:
                 diff = _differing(header["parts"], parts)
                 if header.get("key") != key or diff:
                     raise ValueError(f"its key parts differ ({', '.join(diff) or 'key'})")
-                compiled = torch.compiler.load_compiled_function(io.BytesIO(payload))
+                compiled = torch.compiler.load_compiled_function(
+                    io.BytesIO(payload), f_globals=_module_globals(payload),
+                    external_data=_closure_objects(self._func))
+                changed = changed_traced_sources(compiled)
+                if changed:
+                    raise ValueError(f"the source of traced code changed since it was stored: "
+                                     f"{', '.join(changed[:5])}")
                 compiled.disable_guard_check()  # __call__ checks them first, once
+                graph = aot_compiled_backend_result(compiled)
             except Exception as e:  # refuse, never run it: recompile
                 log.warning("graphgear cache: refusing %s: %s; compiling instead", path, e)
+                for rec in records_since(n0):  # graphs rebuilt before the refusal
+                    rec.cache = "refused"
             else:
                 seconds = time.perf_counter() - t0
                 for rec in records_since(n0):
                     rec.cache, rec.cache_load_seconds = "hit", seconds
                 log.info("graphgear cache: loaded %s in %.2f s", path, seconds)
+                self._stored[key] = [path, graph, graph.version()]
                 return compiled
         else:
             self._log_miss(folder, parts)
@@ -564,20 +676,31 @@ class CachedFunction:
         call_args = (self.module, *args) if self.module is not None else args
         with torch.no_grad():
             compiled = torch.compile(self._func, fullgraph=True, dynamic=dynamic,
-                                     backend=_caching_backend(self.config)).aot_compile((call_args, kwargs))
+                                     backend=_caching_backend(self.config, key),
+                                     options={"guard_filter_fn": serializable_guard_filter(_unpicklable_free(self._func))},
+                                     ).aot_compile((call_args, kwargs))
         compiled.disable_guard_check()  # __call__ checks them first, once
-        status = "miss"
-        if path is not None:
-            try:
-                payload = type(compiled).serialize(compiled).serialized_data
-                _write_entry(path, _name_of(self.fn), key, parts, payload)
-                status = "stored"
-                log.info("graphgear cache: stored %s", path)
-            except Exception as e:  # a cache that cannot be written must not break serving
-                log.warning("graphgear cache: could not store %s: %s", path, e)
+        stored = self._stored[key] = [path, aot_compiled_backend_result(compiled), -1]
+        status = "stored" if path is not None and self._store(compiled, key, parts, stored) else "miss"
         for rec in records_since(n0):
             rec.cache = status
         return compiled
+
+    def _store(self, compiled: Any, key: str, parts: dict[str, str], stored: list[Any]) -> bool:
+        """Write the entry (after a compile, and again after a call that compiled a graph
+        key the entry did not hold: at most once per new key, never per step)."""
+        path, graph = stored[0], stored[1]
+        version = graph.version()
+        stored[2] = version
+        try:
+            payload = type(compiled).serialize(compiled, _closure_objects(self._func)).serialized_data
+            _write_entry(path, _name_of(self.fn), key, parts, payload)
+        except Exception as e:  # a cache that cannot be written must not break serving
+            log.warning("graphgear cache: could not store %s: %s", path, e)
+            return False
+        self.stores += 1
+        log.info("graphgear cache: stored %s (%d compiled graph keys)", path, version)
+        return True
 
 
 def cache_compile(fn: Any, *, config: CompilerConfig | None = None, cache_dir: str | None = None,

@@ -28,3 +28,6 @@ class CompileContext:
     #: state the capture engines of this graph share (their pool, the capture count);
     #: set by the reduce-overhead compiler on first use
     capture_group: Any = None
+    #: the compile cache's :class:`~graphgear.artifacts.ArtifactStore` of this graph
+    #: (``graphgear.cache``): compiled keys are recorded in it, stored keys loaded from it
+    artifacts: Any = None

@@ -26,11 +26,12 @@ from .shapes import ShapeInfo, specialize
 from .stats import new_record
 
 if TYPE_CHECKING:
+    from .artifacts import ArtifactStore, KeyArtifact
     from .config import CompilerConfig
 
 log = logging.getLogger(__name__)
 
-__all__ = ["compile_graph"]
+__all__ = ["compile_graph", "rebuild_graph"]
 
 def compile_graph(
     gm: fx.GraphModule,
@@ -41,11 +42,14 @@ def compile_graph(
     input_names: Sequence[str] | None = None,
     static_inputs: Sequence[int] | None = None,
     boxed: bool = False,
+    artifacts: ArtifactStore | None = None,
 ) -> Callable[..., Any]:
     """Run graphgear's passes on an aten-level graph and compile it in the config's mode.
 
     Returns ``fn(*args)``, or with ``boxed=True`` AOTAutograd's boxed convention
-    ``fn(list_of_args)`` (which lets the callee free inputs early).
+    ``fn(list_of_args)`` (which lets the callee free inputs early). ``artifacts`` (the
+    compile cache): the graph after the passes, and each key's compiled code, are kept
+    in it; :func:`rebuild_graph` builds the same callable from it in a later process.
     """
     mode = mode_of(config)
     record = new_record(stage, mode)
@@ -70,7 +74,12 @@ def compile_graph(
         input_names=names,
         static_inputs=static,
         mutated_inputs=mutated_placeholders(gm),
+        artifacts=artifacts,
     )
+    if artifacts is not None:
+        artifacts.keep_graph(gm, example_inputs, {
+            "name": record.name, "stage": stage, "input_names": list(names), "static_inputs": static,
+            "mutated_inputs": list(ctx.mutated_inputs), "num_nodes": record.num_nodes})
     compiled = _compile_by_shape(gm, example_inputs, ctx, mode)
     if not getattr(compiled, "per_key", False):
         record.compiles += 1
@@ -79,6 +88,45 @@ def compile_graph(
     log.info("graphgear: compiled %s (%s, %d ops) in %.2fs", record.name, mode,
              record.num_nodes, record.compile_seconds)
     return fn
+
+
+def rebuild_graph(artifacts: ArtifactStore, config: CompilerConfig) -> Callable[..., Any]:
+    """The boxed callable :func:`compile_graph` made of the graph kept in ``artifacts``,
+    without its passes: the same dispatch by shape, each stored key's compiled code
+    loaded instead of specialised and compiled (a key not stored compiles as usual)."""
+    meta = artifacts.meta
+    mode = mode_of(config)
+    record = new_record(meta["stage"], mode)
+    t0 = time.perf_counter()
+    gm, example_inputs = artifacts.load_graph()
+    record.inputs = list(meta["input_names"])
+    record.num_nodes = int(meta.get("num_nodes", 0))
+    ctx = CompileContext(
+        config=config, stage=meta["stage"], record=record, input_names=list(meta["input_names"]),
+        static_inputs=list(meta["static_inputs"]), mutated_inputs=list(meta["mutated_inputs"]),
+        artifacts=artifacts,
+    )
+    compiled = _compile_by_shape(gm, example_inputs, ctx, mode)
+    fn = _convention(compiled, boxed=True)
+    record.compile_seconds += time.perf_counter() - t0
+    log.info("graphgear: rebuilt %s (%s) from the compile cache in %.2fs", record.name, mode,
+             record.compile_seconds)
+    return fn
+
+
+def _stored(ctx: CompileContext, mode: str, key: tuple[int, ...]) -> KeyArtifact | None:
+    """The compile cache's code of graph key ``key``, loaded, or None (not stored, or it
+    could not be loaded: then the key is compiled as usual)."""
+    if ctx.artifacts is None or mode not in _STORED_KIND or key not in ctx.artifacts.keys:
+        return None
+    loaded: KeyArtifact | None = ctx.artifacts.load(key, _STORED_KIND[mode], ctx.stage)
+    if loaded is not None:
+        ctx.record.loaded_keys += 1
+    return loaded
+
+
+#: the kind of stored code per mode (``artifacts.KeyArtifact.kind``)
+_STORED_KIND = {"reduce-overhead": "static", "max-autotune": "inductor"}
 
 
 def _compile_by_shape(
@@ -93,7 +141,7 @@ def _compile_by_shape(
     compiler = MODE_COMPILERS[mode]
     info = ShapeInfo(gm)
     if not info.is_dynamic:
-        return compiler(gm, example_inputs, ctx)
+        return compiler(gm, example_inputs, ctx, key=(), loaded=_stored(ctx, mode, ()))
     plan = None
     if ctx.stage != "backward":
         plan = GearPlan.build(
@@ -107,7 +155,7 @@ def _compile_by_shape(
         )
         per_key = False
     if not per_key:
-        whole = compiler(gm, example_inputs, ctx)
+        whole = compiler(gm, example_inputs, ctx)  # dynamic: one code for every size, not stored
         if plan is None:
             return whole
         whole_boxed = _convention(whole, boxed=True)
@@ -116,8 +164,16 @@ def _compile_by_shape(
 
         def build(key: tuple[int, ...]) -> Callable[..., Any]:
             t0 = time.perf_counter()
+            loaded = _stored(ctx, mode, key)
+            if loaded is not None:
+                # the key's code is loaded; the dynamic graph stands in for the static
+                # one where the mode compiler runs the FX graph itself (warm-up)
+                fn = _convention(compiler(gm, example_inputs, ctx, key=key, loaded=loaded), boxed=True)
+                ctx.record.compile_seconds += time.perf_counter() - t0
+                log.info("graphgear: %s key %s loaded from the compile cache", ctx.record.name, key)
+                return fn
             static_gm, static_inputs = specialize(gm, info, key)
-            fn = _convention(compiler(static_gm, static_inputs, ctx), boxed=True)
+            fn = _convention(compiler(static_gm, static_inputs, ctx, key=key), boxed=True)
             ctx.record.compiles += 1
             ctx.record.compile_seconds += time.perf_counter() - t0
             log.info("graphgear: %s specialised to key %s", ctx.record.name, key)

@@ -54,6 +54,7 @@ import torch
 from torch import fx
 
 from .._torch import StorageWeakRef, boxed_convention, has_internal_overlap
+from ..dispatch import precompiling
 from ..errors import CaptureError
 from ..stats import register_release
 from . import liveness
@@ -141,9 +142,16 @@ class CaptureEngine:
     with one list of inputs."""
 
     def __init__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: CompileContext,
-                 device: torch.device, compile_static: StaticCompiler | None = None) -> None:
+                 device: torch.device, compile_static: StaticCompiler | None = None,
+                 native_warmup: bool = False) -> None:
         self.gm = gm
         self.compile_static = compile_static
+        # the compile cache's loaded code on the CPU (``gm`` may be the dynamic graph):
+        # a warm-up inside precompile_gears, whose outputs are dropped and whose input
+        # writes are undone, is skipped (the code's first run is then the capture, as in
+        # the process that compiled it, where the warm-up ran the FX graph); a warm-up a
+        # caller sees runs the FX graph, as there, so its outputs are the same bit for bit
+        self.native_warmup = native_warmup and device.type == "cpu"
         self.ctx = ctx
         self.record = ctx.record
         self.device = device
@@ -287,14 +295,22 @@ class CaptureEngine:
         if self.device.type in ("cuda", "npu"):
             graph = self._device_graph(args)
             return graph.warmup(list(args))
+        if self.native_warmup:
+            state = precompiling()
+            if state is not None and state.get("discard"):
+                return []
         return list(self.gm(*args))
 
-    def _device_graph(self, args: list[Any]) -> Any:
-        kw = dict(pool=self.pool, name=self.record.name)
+    def _executor_for(self, args: list[Any]) -> Any:
         if self._executor is None:
             with self._lock:
                 if self._executor is None:
                     self._executor = self._compile(args)
+        return self._executor
+
+    def _device_graph(self, args: list[Any]) -> Any:
+        kw = dict(pool=self.pool, name=self.record.name)
+        self._executor_for(args)
         if self.device.type == "cpu":
             return CPUGraph(self._executor, **kw)
         if self.device.type == "cuda":

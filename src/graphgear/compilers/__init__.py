@@ -9,14 +9,11 @@ aten-level graph (static when the pipeline dispatches by shape):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
-
-from torch import fx
 
 from .._torch import OpOverload, inductor_lowering
 from ..capture.rules import UNCAPTURABLE
-from ..context import CompileContext
 from ..debug import op_key
 from .eager import compile_eager
 from .inductor import compile_inductor
@@ -25,7 +22,10 @@ from .reduce_overhead import compile_reduce_overhead
 __all__ = ["MODE_COMPILERS", "ModeCompiler", "compile_eager", "compile_inductor",
            "compile_reduce_overhead", "op_support"]
 
-ModeCompiler = Callable[[fx.GraphModule, Sequence[Any], CompileContext], Callable[..., Any]]
+#: ``compiler(gm, example_inputs, ctx, key=None, loaded=None)``: ``key`` is the graph key
+#: of a static graph (recorded in ``ctx.artifacts`` by the compile cache), ``loaded`` that
+#: key's stored code (``artifacts.KeyArtifact``), used instead of compiling
+ModeCompiler = Callable[..., Callable[..., Any]]
 
 MODE_COMPILERS: dict[str, ModeCompiler] = {
     "eager": compile_eager,

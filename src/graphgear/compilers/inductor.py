@@ -40,6 +40,7 @@ from .._torch import (
     tracing,
     unset_fake_temporarily,
 )
+from ..artifacts import KeyArtifact, strip_cache_tag
 from ..context import CompileContext
 from ..passes import PASSES_VERSION
 from ..passes.ops import inductor_fused_op_decompositions, inline_decompositions, register_inductor_lowering
@@ -72,7 +73,8 @@ def cache_context(example_inputs: Sequence[Any], *, replace: bool = False) -> co
     first call) a fresh one is made from the example inputs' fake mode.
     """
     stack = contextlib.ExitStack()
-    tag = f"{torch.compiler.config.cache_key_tag}graphgear-passes-v{PASSES_VERSION}"
+    base = strip_cache_tag(torch.compiler.config.cache_key_tag)  # not the compile cache's entry tag
+    tag = f"{base}graphgear-passes-v{PASSES_VERSION}"
     stack.enter_context(torch.compiler.config.patch(cache_key_tag=tag))
     if replace or TracingContext.try_get() is None:
         fake_mode = next((a.fake_mode for a in example_inputs if isinstance(a, FakeTensor)), None)
@@ -85,13 +87,18 @@ def prepare_for_inductor(gm: fx.GraphModule) -> int:
     return inline_decompositions(gm, inductor_fused_op_decompositions())
 
 
-def compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: CompileContext) -> Callable[..., Any]:
+def compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: CompileContext,
+                     key: tuple[int, ...] | None = None, loaded: KeyArtifact | None = None) -> Callable[..., Any]:
     """Compile ``gm`` with Inductor's graph compiler; returns Inductor's boxed callable.
 
     The gear dispatcher calls this once per gear with a static graph; a graph with
-    symbolic sizes compiles once for all of them.
+    symbolic sizes compiles once for all of them. ``loaded`` (the compile cache): that
+    key's stored compiled graph, run instead of compiling; with ``ctx.artifacts`` and a
+    ``key`` the compiled graph is recorded there.
     """
     register_inductor_lowering()
+    if loaded is not None:
+        return _unflattening(loaded.code, pytree.treespec_loads(loaded.spec) if loaded.spec else None)
     spec = _return_tuple(gm)
     inlined = prepare_for_inductor(gm)
     if inlined:
@@ -109,6 +116,14 @@ def compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: Com
             is_inference=ctx.stage == "inference",
             is_backward=ctx.stage == "backward",
         )
+    if ctx.artifacts is not None and key is not None:
+        ctx.artifacts.record(key, "inductor", compiled,
+                             spec=pytree.treespec_dumps(spec) if spec is not None else None)
+    return _unflattening(compiled, spec)
+
+
+def _unflattening(compiled: Callable[..., Any], spec: Any) -> Callable[..., Any]:
+    """``compiled`` (flat outputs), returning them nested as ``spec`` says (None: flat)."""
     if spec is None:
         return compiled
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from torch import fx
 
+from ..artifacts import KeyArtifact
 from ..capture import CaptureEngine, UncapturedGraph, find_uncapturable, graph_device
 from ..capture.rules import warn
 from ..context import CompileContext
@@ -29,11 +30,21 @@ __all__ = ["compile_reduce_overhead"]
 
 
 def compile_reduce_overhead(
-    gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: CompileContext
+    gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: CompileContext,
+    key: tuple[int, ...] | None = None, loaded: KeyArtifact | None = None,
 ) -> Callable[..., Any]:
     """The reduce-overhead compiler of one static graph: a boxed callable that captures
-    and replays, or (``fallback="eager"``) runs a graph that cannot be captured as it is."""
+    and replays, or (``fallback="eager"``) runs a graph that cannot be captured as it is.
+
+    ``loaded`` (the compile cache): the key's Inductor code, stored by a first process
+    that captured it; the engine captures that code (no decomposition, no Inductor
+    compile) and ``gm`` (then possibly the dynamic graph) only runs its warm-up. With
+    ``ctx.artifacts`` and a ``key``, the code compiled at capture is recorded there."""
     device = graph_device(example_inputs)
+    if loaded is not None:
+        code = loaded.code
+        return CaptureEngine(gm, example_inputs, ctx, device,
+                             compile_static=lambda *args, **kwargs: code, native_warmup=True)
     blocked = find_uncapturable(gm, device)
     if blocked:
         for op, reason in blocked:
@@ -55,5 +66,7 @@ def compile_reduce_overhead(
     # GEMM template (small-M matrix products at batch 2 to 8); the CPU graph only
     frozen = (ctx.config.experimental_config.frozen_parameter and ctx.stage == "inference"
               and device.type == "cpu")
-    return CaptureEngine(gm, example_inputs, ctx, device,
-                         compile_static=functools.partial(compile_static, frozen=frozen))
+    native: Callable[..., Any] = functools.partial(compile_static, frozen=frozen)
+    if ctx.artifacts is not None and key is not None and not frozen:  # frozen code holds the weights
+        native = ctx.artifacts.recording(key, native)
+    return CaptureEngine(gm, example_inputs, ctx, device, compile_static=native)
