@@ -19,7 +19,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ._torch import OutputCode
+from ._torch import OutputCode, boxed_convention
 from .artifacts import ArtifactStore
 from .config import CompilerConfig
 from .pipeline import rebuild_graph
@@ -39,7 +39,7 @@ class GraphgearOutputCode(OutputCode):
     def __post_init__(self) -> None:
         # AOTAutograd's boxed convention (called with one list of inputs), set on the
         # instance: AOTAutograd's wrappers copy the instance's __dict__ (functools.wraps)
-        self._boxed_call = True
+        boxed_convention(self)
 
     def __call__(self, inputs: Sequence[Any]) -> Any:
         return self.fn(inputs)
