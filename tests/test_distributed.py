@@ -168,6 +168,88 @@ def test_collectives_inside_one_graph_equal_eager(tmp_path: Path) -> None:
     assert counts[0] == counts[1] == {m: 1 for m in MODES}
 
 
+def _inplace_c10d(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The in-place c10d calls dynamo 2.13 traces (``traceable_collective_remaps``) into
+    functional collectives, point-to-point ones included (those need dynamo's
+    ``enable_p2p_compilation``)."""
+    peer = 1 - dist.get_rank()
+    gathered = torch.empty(WORLD * x.shape[0], *x.shape[1:])
+    dist.all_gather_into_tensor(gathered, x * 2)
+    scattered = torch.empty(x.shape[0] // WORLD, *x.shape[1:])
+    dist.reduce_scatter_tensor(scattered, x + 1)
+    swapped = torch.empty_like(x)
+    dist.all_to_all_single(swapped, x.sin())
+    parts = [torch.empty_like(x) for _ in range(WORLD)]
+    dist.all_gather(parts, x.cos())
+    batched = torch.empty_like(x)
+    for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, x - 1, peer), dist.P2POp(dist.irecv, batched, peer)]):
+        work.wait()
+    return gathered, scattered, swapped, torch.cat(parts), batched * 2
+
+
+def _isend_irecv(x: torch.Tensor) -> torch.Tensor:
+    """A separate isend and irecv: the aten graph keeps dynamo's order (both issued, then
+    both waited), but Inductor's code waits for the isend before it issues the irecv, so
+    with gloo (a send completes once the peer has posted its receive) both ranks block
+    until the timeout, under ``torch.compile``'s own Inductor too. Only run eagerly here."""
+    peer = 1 - dist.get_rank()
+    received = torch.empty_like(x)
+    for work in (dist.isend(x * 3, peer), dist.irecv(received, peer)):
+        work.wait()
+    return received + 1
+
+
+def _broadcast_breaks(x: torch.Tensor) -> torch.Tensor:
+    y = x * 2
+    dist.broadcast(y, src=1)  # dynamo 2.13 does not trace it: a graph break, run eagerly
+    return y + 1
+
+
+def _worker_inplace_c10d(rank: int) -> dict[str, Any]:
+    torch._dynamo.config.enable_p2p_compilation = True  # this process only
+    out: dict[str, Any] = {}
+    cases = [(_inplace_c10d, True, [4, 8], MODES), (_broadcast_breaks, False, None, MODES),
+             (_isend_irecv, True, None, ["eager"])]
+    for fn, full, gears, modes in cases:
+        for mode in modes:
+            graphgear.reset()
+            torch._dynamo.reset()
+            f = torch.compile(fn, backend="graphgear", options=_options(mode), fullgraph=full)
+            sizes = (4, 8, 4, 8, 4, 8) if gears else (4,) * 5
+            for step, n in enumerate(sizes):  # new values each step: a replay must run the collectives again
+                x = torch.randn(n, 3) + rank * 10 + step
+                if gears:
+                    graphgear.set_dim_gears(x, {0: gears})
+                want = fn(x)
+                got = f(x)
+                got = [t.clone() for t in got] if isinstance(got, tuple) else [got.clone()]
+                want = list(want) if isinstance(want, tuple) else [want]
+                for i, (g, w) in enumerate(zip(got, want, strict=True)):
+                    torch.testing.assert_close(
+                        g, w, rtol=1e-6, atol=1e-5,
+                        msg=lambda m, i=i, s=step, md=mode, fn=fn: f"{fn.__name__} {md} step {s} output {i}: {m}")
+            recs = graphgear.stats().graphs
+            out[f"{fn.__name__} {mode}"] = {
+                "graphs": len(recs), "captures": sum(r.captures for r in recs),
+                "replays": sum(r.replays for r in recs), "fallbacks": [f for r in recs for f in r.fallbacks]}
+    return out
+
+
+def test_inplace_c10d_calls_inside_graphs_equal_eager(tmp_path: Path) -> None:
+    """all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single, all_gather and
+    batch_isend_irecv in one graph (gears [4, 8] on the input), in every mode;
+    ``dist.broadcast`` breaks the graph (dynamo cannot trace it) and runs eagerly between
+    two graphs, both captured; a separate isend/irecv pair in ``debug.run_eagerly``."""
+    r0, r1 = assert_all_ok(run_ranks(_worker_inplace_c10d, tmp_path))
+    assert r0 == r1
+    for key, v in r0.items():
+        assert v["fallbacks"] == [], (key, v)
+        fn, mode = key.split(" ")
+        assert v["graphs"] == (2 if fn == "_broadcast_breaks" else 1), (key, v)
+        if mode == "reduce-overhead":  # a warm-up, a capture, then replays, per gear / graph
+            assert (v["captures"], v["replays"]) == ((2, 2) if fn == "_inplace_c10d" else (2, 6)), (key, v)
+
+
 # ------------------------------------------------------- 2. gears across ranks
 
 
