@@ -387,6 +387,53 @@ def test_tensor_parallel_decoder_equals_one_rank_eager(tmp_path: Path, kind: str
         assert v["issued"] == 0, v
 
 
+def _worker_hf_llama_dtensor(rank: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from transformers import StaticCache
+
+    from tests.helpers import assert_close
+    from tests.models import hf_llama
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    ref = hf_llama()  # the same seed on every rank: the same weights
+    cfg = ref.config
+    tp = copy.deepcopy(ref)
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    plan = {k.removeprefix("layers.*."): styles[v]() for k, v in cfg.base_model_tp_plan.items()}
+    for layer in tp.model.layers:  # transformers' own plan, applied with torch's classes
+        parallelize_module(layer, mesh, plan)
+    local = copy.deepcopy(cfg)  # the static cache holds this rank's heads
+    local.head_dim = cfg.hidden_size // cfg.num_attention_heads
+    local.num_attention_heads //= WORLD
+    local.num_key_value_heads //= WORLD
+    cache, ref_cache = StaticCache(config=local, max_cache_len=16), StaticCache(config=cfg, max_cache_len=16)
+    f = torch.compile(tp, backend="graphgear", options=_options("reduce-overhead"))
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in range(6):
+            tok = torch.randint(0, cfg.vocab_size, (1, 1), generator=gen)
+            pos = torch.tensor([[p]])
+            got = f(input_ids=tok, cache=cache, position_ids=pos, use_cache=True).logits.clone()
+            want = ref(input_ids=tok, cache=ref_cache, position_ids=pos, use_cache=True).logits
+            assert_close(got, want, reduction=128, what=f"step {p} logits")
+    recs = graphgear.stats().graphs
+    return {"fallbacks": [f for r in recs for f in r.fallbacks], "captures": sum(r.captures for r in recs),
+            "replays": sum(r.replays for r in recs)}
+
+
+@pytest.mark.slow  # a transformers model
+def test_hf_llama_dtensor_tensor_parallel_decode_equals_one_rank_eager(tmp_path: Path) -> None:
+    """transformers' Llama (small config, random weights) split by its own
+    ``base_model_tp_plan`` with torch's ColwiseParallel/RowwiseParallel, decoding with a
+    StaticCache of this rank's heads in reduce-overhead: logits equal 1-rank eager."""
+    values = assert_all_ok(run_ranks(_worker_hf_llama_dtensor, tmp_path, limit=300))
+    for v in values:
+        assert v["fallbacks"] == [], v
+        # the cache's lazy initialisation makes a first graph; the next one is captured
+        assert v["captures"] >= 1 and v["replays"] >= 3, v
+
+
 # ------------------------------------------------------------------ 4. DDP training
 
 

@@ -83,6 +83,7 @@ __all__ = [
     "StorageWeakRef",
     "TracingContext",
     "aot_input_source",
+    "functional_all_reduce",
     "aot_module_simplified",
     "aot_partition_fn",
     "backend_compiler_failed",
@@ -300,6 +301,24 @@ def dynamo_graph_arg(node: torch.fx.Node) -> Any:
 def has_dynamo_graph_arg(node: torch.fx.Node) -> bool:
     """Whether dynamo gave this placeholder a ``GraphArg`` (see :func:`dynamo_graph_arg`)."""
     return "grapharg" in node.meta
+
+
+# --------------------------------------------------------------------------- distributed
+
+
+def functional_all_reduce(t: torch.Tensor, op: str, group: Any) -> torch.Tensor:
+    """``torch.distributed._functional_collectives.all_reduce(t, op, group)``: the
+    traceable all-reduce (a new tensor; dynamo and AOTAutograd keep it in the graph as
+    ``_c10d_functional.all_reduce`` + ``wait_tensor``).
+
+    Checked on 2.13; DTensor's own redistribution and dynamo's remap of
+    ``dist.all_reduce`` (``traceable_collective_remaps``) use the same module in 2.13
+    (2.11 to 2.14). Imported here, on first use, so ``import graphgear`` does not load
+    torch.distributed's modules. If it moved, the hand-written tensor-parallel decoder
+    (``graphgear.toy_decoder_tp``) could not reduce its row-parallel outputs."""
+    import torch.distributed._functional_collectives as fc
+
+    return fc.all_reduce(t, op, group)
 
 
 # --------------------------------------------------------------------------- AOTAutograd

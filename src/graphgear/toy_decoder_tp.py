@@ -22,12 +22,12 @@ import copy
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as fc
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from ._torch import functional_all_reduce
 from .toy_decoder import Attention, ToyDecoder
 
 __all__ = ["MegatronAttention", "MegatronMLP", "dtensor", "megatron"]
@@ -68,7 +68,7 @@ class MegatronAttention(Attention):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                 mask: torch.Tensor) -> torch.Tensor:
-        return fc.all_reduce(super().forward(x, cos, sin, positions, mask), "sum", dist.group.WORLD)
+        return functional_all_reduce(super().forward(x, cos, sin, positions, mask), "sum", dist.group.WORLD)
 
 
 class MegatronMLP(nn.Module):
