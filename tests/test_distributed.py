@@ -30,7 +30,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import graphgear
-from graphgear.toy_decoder import Attention, DecoderConfig, ToyDecoder
+from graphgear import toy_decoder_tp
+from graphgear.toy_decoder import DecoderConfig, ToyDecoder
 
 pytestmark = pytest.mark.distributed
 
@@ -167,6 +168,88 @@ def test_collectives_inside_one_graph_equal_eager(tmp_path: Path) -> None:
     assert counts[0] == counts[1] == {m: 1 for m in MODES}
 
 
+def _inplace_c10d(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The in-place c10d calls dynamo 2.13 traces (``traceable_collective_remaps``) into
+    functional collectives, point-to-point ones included (those need dynamo's
+    ``enable_p2p_compilation``)."""
+    peer = 1 - dist.get_rank()
+    gathered = torch.empty(WORLD * x.shape[0], *x.shape[1:])
+    dist.all_gather_into_tensor(gathered, x * 2)
+    scattered = torch.empty(x.shape[0] // WORLD, *x.shape[1:])
+    dist.reduce_scatter_tensor(scattered, x + 1)
+    swapped = torch.empty_like(x)
+    dist.all_to_all_single(swapped, x.sin())
+    parts = [torch.empty_like(x) for _ in range(WORLD)]
+    dist.all_gather(parts, x.cos())
+    batched = torch.empty_like(x)
+    for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, x - 1, peer), dist.P2POp(dist.irecv, batched, peer)]):
+        work.wait()
+    return gathered, scattered, swapped, torch.cat(parts), batched * 2
+
+
+def _isend_irecv(x: torch.Tensor) -> torch.Tensor:
+    """A separate isend and irecv: the aten graph keeps dynamo's order (both issued, then
+    both waited), but Inductor's code waits for the isend before it issues the irecv, so
+    with gloo (a send completes once the peer has posted its receive) both ranks block
+    until the timeout, under ``torch.compile``'s own Inductor too. Only run eagerly here."""
+    peer = 1 - dist.get_rank()
+    received = torch.empty_like(x)
+    for work in (dist.isend(x * 3, peer), dist.irecv(received, peer)):
+        work.wait()
+    return received + 1
+
+
+def _broadcast_breaks(x: torch.Tensor) -> torch.Tensor:
+    y = x * 2
+    dist.broadcast(y, src=1)  # dynamo 2.13 does not trace it: a graph break, run eagerly
+    return y + 1
+
+
+def _worker_inplace_c10d(rank: int) -> dict[str, Any]:
+    torch._dynamo.config.enable_p2p_compilation = True  # this process only
+    out: dict[str, Any] = {}
+    cases = [(_inplace_c10d, True, [4, 8], MODES), (_broadcast_breaks, False, None, MODES),
+             (_isend_irecv, True, None, ["eager"])]
+    for fn, full, gears, modes in cases:
+        for mode in modes:
+            graphgear.reset()
+            torch._dynamo.reset()
+            f = torch.compile(fn, backend="graphgear", options=_options(mode), fullgraph=full)
+            sizes = (4, 8, 4, 8, 4, 8) if gears else (4,) * 5
+            for step, n in enumerate(sizes):  # new values each step: a replay must run the collectives again
+                x = torch.randn(n, 3) + rank * 10 + step
+                if gears:
+                    graphgear.set_dim_gears(x, {0: gears})
+                want = fn(x)
+                got = f(x)
+                got = [t.clone() for t in got] if isinstance(got, tuple) else [got.clone()]
+                want = list(want) if isinstance(want, tuple) else [want]
+                for i, (g, w) in enumerate(zip(got, want, strict=True)):
+                    torch.testing.assert_close(
+                        g, w, rtol=1e-6, atol=1e-5,
+                        msg=lambda m, i=i, s=step, md=mode, fn=fn: f"{fn.__name__} {md} step {s} output {i}: {m}")
+            recs = graphgear.stats().graphs
+            out[f"{fn.__name__} {mode}"] = {
+                "graphs": len(recs), "captures": sum(r.captures for r in recs),
+                "replays": sum(r.replays for r in recs), "fallbacks": [f for r in recs for f in r.fallbacks]}
+    return out
+
+
+def test_inplace_c10d_calls_inside_graphs_equal_eager(tmp_path: Path) -> None:
+    """all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single, all_gather and
+    batch_isend_irecv in one graph (gears [4, 8] on the input), in every mode;
+    ``dist.broadcast`` breaks the graph (dynamo cannot trace it) and runs eagerly between
+    two graphs, both captured; a separate isend/irecv pair in ``debug.run_eagerly``."""
+    r0, r1 = assert_all_ok(run_ranks(_worker_inplace_c10d, tmp_path))
+    assert r0 == r1
+    for key, v in r0.items():
+        assert v["fallbacks"] == [], (key, v)
+        fn, mode = key.split(" ")
+        assert v["graphs"] == (2 if fn == "_broadcast_breaks" else 1), (key, v)
+        if mode == "reduce-overhead":  # a warm-up, a capture, then replays, per gear / graph
+            assert (v["captures"], v["replays"]) == ((2, 2) if fn == "_inplace_c10d" else (2, 6)), (key, v)
+
+
 # ------------------------------------------------------- 2. gears across ranks
 
 
@@ -224,72 +307,22 @@ def test_rank_outside_gears_raises_before_any_collective(tmp_path: Path, mode: s
 # ----------------------------------------- 3. tensor-parallel decoder over 2 ranks
 
 
-class TPAttention(Attention):
-    """Megatron-style attention on ``world`` ranks: the toy decoder's attention over this
-    rank's heads (column-parallel q/k/v, a slice of the KV cache) and a row-parallel out
-    projection, then an all-reduce (the functional one)."""
+def _worker_tp_decode(rank: int, mode: str, kind: str) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
 
-    def __init__(self, full: nn.Module, rank: int, world: int) -> None:
-        nn.Module.__init__(self)
-        self.num_heads = full.num_heads // world
-        self.head_dim = full.head_dim
-        cols = slice(rank * self.num_heads * self.head_dim, (rank + 1) * self.num_heads * self.head_dim)
-        heads = slice(rank * self.num_heads, (rank + 1) * self.num_heads)
-        for name in ("q_proj", "k_proj", "v_proj"):
-            setattr(self, name, _linear(getattr(full, name).weight[cols]))
-        self.o_proj = _linear(full.o_proj.weight[:, cols])
-        self.register_buffer("k_cache", full.k_cache[:, heads].clone(), persistent=False)
-        self.register_buffer("v_cache", full.v_cache[:, heads].clone(), persistent=False)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-                mask: torch.Tensor) -> torch.Tensor:
-        import torch.distributed._functional_collectives as fc
-
-        return fc.all_reduce(super().forward(x, cos, sin, positions, mask), "sum", dist.group.WORLD)
-
-
-class TPMLP(nn.Module):
-    """Column-parallel gate/up, row-parallel down, then the in-place c10d all-reduce
-    (dynamo traces it into the functional one)."""
-
-    def __init__(self, full: nn.Module, rank: int, world: int) -> None:
-        super().__init__()
-        n = full.up_proj.weight.shape[0] // world
-        cols = slice(rank * n, (rank + 1) * n)
-        self.gate_proj = _linear(full.gate_proj.weight[cols])
-        self.up_proj = _linear(full.up_proj.weight[cols])
-        self.down_proj = _linear(full.down_proj.weight[:, cols])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
-        dist.all_reduce(out)
-        return out
-
-
-def _linear(weight: torch.Tensor) -> nn.Linear:
-    lin = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
-    with torch.no_grad():
-        lin.weight.copy_(weight)
-    return lin
-
-
-def tensor_parallel(model: ToyDecoder, rank: int, world: int) -> ToyDecoder:
-    """A copy of ``model`` with each layer's attention and MLP split over ``world`` ranks;
-    embeddings, norms and the LM head stay whole (replicated)."""
-    tp = copy.deepcopy(model)
-    for layer, full in zip(tp.layers, model.layers):
-        layer.attn = TPAttention(full.attn, rank, world)
-        layer.mlp = TPMLP(full.mlp, rank, world)
-    return tp
-
-
-def _worker_tp_decode(rank: int, mode: str) -> dict[str, Any]:
-    cfg = DecoderConfig(max_batch_size=4, max_seq_len=32)
+    # DTensor's sharding propagation makes tracing slow (AOTAutograd ~20 s a graph at 2
+    # layers on a busy 2-core machine, all in torch): one layer for it
+    cfg = DecoderConfig(max_batch_size=4, max_seq_len=32, num_layers=2 if kind == "megatron" else 1)
     ref = ToyDecoder(cfg).eval()  # the same seed on every rank: the same weights
-    tp = tensor_parallel(ref, rank, WORLD).eval()
+    if kind == "megatron":
+        tp = toy_decoder_tp.megatron(ref, rank, WORLD).eval()
+    else:
+        tp = toy_decoder_tp.dtensor(ref, init_device_mesh("cpu", (WORLD,))).eval()
     f = torch.compile(tp, backend="graphgear", options=_options(mode))
     gen = torch.Generator().manual_seed(1)  # the same tokens on every rank
     pos, worst = 0, 0.0
+    vocab = slice(rank * cfg.vocab_size // WORLD, (rank + 1) * cfg.vocab_size // WORLD)
     with torch.no_grad():
         for bsz in (1, 2, 4, 2, 1):
             for _ in range(3):
@@ -297,30 +330,108 @@ def _worker_tp_decode(rank: int, mode: str) -> dict[str, Any]:
                 positions = torch.tensor([pos])
                 want = ref(tokens, positions)
                 graphgear.set_dim_gears(tokens, {0: [1, 2, 4]})
-                got = f(tokens, positions).clone()
-                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5,
-                                           msg=lambda m, b=bsz, p=pos: f"batch {b} position {p}: {m}")
+                out = f(tokens, positions)
+                msg = lambda m, b=bsz, p=pos: f"batch {b} position {p}: {m}"  # noqa: E731
+                if kind == "dtensor":  # the LM head's output: a DTensor sharded on the vocabulary
+                    assert isinstance(out, DTensor) and out.placements == (Shard(2),), (type(out), out)
+                    torch.testing.assert_close(out.to_local(), want[..., vocab], rtol=1e-5, atol=1e-5, msg=msg)
+                    out = out.full_tensor()  # an all-gather, outside the graph
+                got = out.clone()
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=msg)
                 worst = max(worst, float((got - want).abs().max()))
                 pos += 1
+        # the same size outside the gears on every rank: GearError on both, no collective
+        pg = dist.distributed_c10d._get_default_group()
+        seq = pg._get_sequence_number_for_group()
+        tokens = torch.zeros(3, 1, dtype=torch.long)  # no set_dim_gears: 3 is not a gear
+        try:
+            f(tokens, torch.tensor([pos]))
+            outside = "no error"
+        except graphgear.GearError as e:
+            outside = str(e)
+        issued = pg._get_sequence_number_for_group() - seq
     for name, buf in ref.named_buffers():  # the caches: this rank's heads of the 1-rank ones
         if name.endswith("_cache"):
             heads = buf.shape[1] // WORLD
             torch.testing.assert_close(tp.get_buffer(name), buf[:, rank * heads:(rank + 1) * heads],
                                        rtol=1e-5, atol=1e-5)
     recs = graphgear.stats().graphs
-    return {"graphs": len(recs), "captures": sum(r.captures for r in recs),
-            "replays": sum(r.replays for r in recs), "fallbacks": [f for r in recs for f in r.fallbacks],
-            "gears": [r.gears for r in recs], "worst": worst}
+    return {"graphs": len(recs), "compiles": sum(r.compiles for r in recs),
+            "captures": sum(r.captures for r in recs), "replays": sum(r.replays for r in recs),
+            "fallbacks": [f for r in recs for f in r.fallbacks], "gears": [r.gears for r in recs],
+            "worst": worst, "outside": outside, "issued": issued}
 
 
-@pytest.mark.parametrize("mode", ["reduce-overhead"])
-def test_tensor_parallel_decoder_equals_one_rank_eager(tmp_path: Path, mode: str) -> None:
-    values = assert_all_ok(run_ranks(_worker_tp_decode, tmp_path, mode, limit=180))
+@pytest.mark.parametrize(("kind", "mode"), [
+    ("megatron", "reduce-overhead"), ("dtensor", "reduce-overhead"),
+    # tracing the DTensor model twice more (about 2 min on a busy 2-core machine)
+    pytest.param("dtensor", "max-autotune", marks=pytest.mark.slow)])
+def test_tensor_parallel_decoder_equals_one_rank_eager(tmp_path: Path, kind: str, mode: str) -> None:
+    """The toy decoder split by hand (functional and in-place all-reduces) or with
+    ``torch.distributed.tensor.parallel`` (DTensor parameters, a vocabulary-parallel
+    embedding, a DTensor output), gears [1, 2, 4]: every step's logits equal the 1-rank
+    eager model's within 1e-5, and a batch outside the gears raises before any collective."""
+    values = assert_all_ok(run_ranks(_worker_tp_decode, tmp_path, mode, kind, limit=180))
     for v in values:
         assert v["fallbacks"] == [], v
-        assert v["graphs"] == 1, v
-        assert v["captures"] == 3, v  # one per gear
-        assert v["replays"] == 15 - 3 - 3, v  # every call but a warm-up and a capture per gear
+        # DTensor's shardability check guards the vocabulary-parallel embedding's batch
+        # (``tokens.size()[0] < 2``, distributed/tensor/_ops/utils.py is_tensor_shardable),
+        # so dynamo compiles batch 1 as a graph of its own; each graph has the gears
+        assert v["graphs"] == (1 if kind == "megatron" else 2), v
+        assert v["gears"] == [[(1,), (2,), (4,)]] * v["graphs"], v
+        assert v["compiles"] == 3, v  # one per gear
+        if mode == "reduce-overhead":
+            assert v["captures"] == 3, v  # one per gear
+            assert v["replays"] == 15 - 3 - 3, v  # every call but a warm-up and a capture per gear
+        assert "3" in v["outside"] and "[1, 2, 4]" in v["outside"], v["outside"]
+        assert v["issued"] == 0, v
+
+
+def _worker_hf_llama_dtensor(rank: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from transformers import StaticCache
+
+    from tests.helpers import assert_close
+    from tests.models import hf_llama
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    ref = hf_llama()  # the same seed on every rank: the same weights
+    cfg = ref.config
+    tp = copy.deepcopy(ref)
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    plan = {k.removeprefix("layers.*."): styles[v]() for k, v in cfg.base_model_tp_plan.items()}
+    for layer in tp.model.layers:  # transformers' own plan, applied with torch's classes
+        parallelize_module(layer, mesh, plan)
+    local = copy.deepcopy(cfg)  # the static cache holds this rank's heads
+    local.head_dim = cfg.hidden_size // cfg.num_attention_heads
+    local.num_attention_heads //= WORLD
+    local.num_key_value_heads //= WORLD
+    cache, ref_cache = StaticCache(config=local, max_cache_len=16), StaticCache(config=cfg, max_cache_len=16)
+    f = torch.compile(tp, backend="graphgear", options=_options("reduce-overhead"))
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in range(6):
+            tok = torch.randint(0, cfg.vocab_size, (1, 1), generator=gen)
+            pos = torch.tensor([[p]])
+            got = f(input_ids=tok, cache=cache, position_ids=pos, use_cache=True).logits.clone()
+            want = ref(input_ids=tok, cache=ref_cache, position_ids=pos, use_cache=True).logits
+            assert_close(got, want, reduction=128, what=f"step {p} logits")
+    recs = graphgear.stats().graphs
+    return {"fallbacks": [f for r in recs for f in r.fallbacks], "captures": sum(r.captures for r in recs),
+            "replays": sum(r.replays for r in recs)}
+
+
+@pytest.mark.slow  # a transformers model
+def test_hf_llama_dtensor_tensor_parallel_decode_equals_one_rank_eager(tmp_path: Path) -> None:
+    """transformers' Llama (small config, random weights) split by its own
+    ``base_model_tp_plan`` with torch's ColwiseParallel/RowwiseParallel, decoding with a
+    StaticCache of this rank's heads in reduce-overhead: logits equal 1-rank eager."""
+    values = assert_all_ok(run_ranks(_worker_hf_llama_dtensor, tmp_path, limit=300))
+    for v in values:
+        assert v["fallbacks"] == [], v
+        # the cache's lazy initialisation makes a first graph; the next one is captured
+        assert v["captures"] >= 1 and v["replays"] >= 3, v
 
 
 # ------------------------------------------------------------------ 4. DDP training

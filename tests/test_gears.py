@@ -237,3 +237,33 @@ def test_hf_llama_batch_and_sequence_gears(policy: str, sizes) -> None:
     assert counters["stats"]["unique_graphs"] == 1
     (g,) = graphgear.stats().graphs
     assert len(g.gears) == (3 if policy == "zip" else 9)
+
+
+# ------------------------------------------------------------- tensor-subclass inputs
+
+
+@pytest.mark.parametrize("mode", ["eager", "reduce-overhead"])
+def test_gears_behind_a_tensor_subclass_input(mode: str) -> None:
+    """AOTAutograd flattens a tensor-subclass input (a DTensor parameter under tensor
+    parallelism; TwoTensor here) into its inner tensors in place, so the AOT graph has
+    more inputs than dynamo's and a geared input behind the subclass is not where
+    counting from the end puts it. The gears still reach it (and the error names it)."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    def f(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x @ w) + 1
+
+    w = TwoTensor(torch.randn(16, 8), torch.randn(16, 8))
+    compiled = torch.compile(f, backend=make_backend(mode), fullgraph=True)
+    with torch.no_grad():
+        for n in (2, 4, 2, 4):
+            x = geared(torch.randn(n, 16), {0: [2, 4]})
+            got, want = compiled(w, x), f(w, x)
+            assert isinstance(got, TwoTensor)
+            assert_close([got.a, got.b], [want.a, want.b], reduction=16)
+        with pytest.raises(GearError) as e:
+            compiled(w, torch.randn(3, 16))
+    assert "size 3 at dim 0" in str(e.value) and "input 'x'" in str(e.value), str(e.value)
+    (g,) = graphgear.stats().graphs
+    assert g.gears == [(2,), (4,)], g
+    assert "x" in g.inputs and "w.a" in g.inputs and "w.b" in g.inputs, g.inputs

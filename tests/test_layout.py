@@ -18,7 +18,8 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "graphgear"
 #: Layers, bottom first. A module may import its own layer's modules and any layer
 #: below; the layer of a module is that of its longest matching prefix.
 LAYERS: list[set[str]] = [
-    {"graphgear.errors", "graphgear._torch", "graphgear.cachedir", "graphgear.toy_decoder"},
+    {"graphgear.errors", "graphgear._torch", "graphgear.cachedir", "graphgear.toy_decoder",
+     "graphgear.toy_decoder_tp"},
     {"graphgear.config", "graphgear.stats", "graphgear.debug", "graphgear.context"},
     {"graphgear.shapes", "graphgear.inputs", "graphgear.gears", "graphgear.dispatch", "graphgear.artifacts"},
     {"graphgear.capture"},

@@ -103,6 +103,8 @@ __all__ = [
     "OpOverloadPacket",
     "StorageWeakRef",
     "TracingContext",
+    "aot_input_source",
+    "functional_all_reduce",
     "aot_module_simplified",
     "aot_partition_fn",
     "backend_compiler_failed",
@@ -326,6 +328,24 @@ def has_dynamo_graph_arg(node: torch.fx.Node) -> bool:
     return "grapharg" in node.meta
 
 
+# --------------------------------------------------------------------------- distributed
+
+
+def functional_all_reduce(t: torch.Tensor, op: str, group: Any) -> torch.Tensor:
+    """``torch.distributed._functional_collectives.all_reduce(t, op, group)``: the
+    traceable all-reduce (a new tensor; dynamo and AOTAutograd keep it in the graph as
+    ``_c10d_functional.all_reduce`` + ``wait_tensor``).
+
+    Checked on 2.13; DTensor's own redistribution and dynamo's remap of
+    ``dist.all_reduce`` (``traceable_collective_remaps``) use the same module in 2.13
+    (2.11 to 2.14). Imported here, on first use, so ``import graphgear`` does not load
+    torch.distributed's modules. If it moved, the hand-written tensor-parallel decoder
+    (``graphgear.toy_decoder_tp``) could not reduce its row-parallel outputs."""
+    import torch.distributed._functional_collectives as fc
+
+    return fc.all_reduce(t, op, group)
+
+
 # --------------------------------------------------------------------------- AOTAutograd
 
 
@@ -353,6 +373,42 @@ def aot_module_simplified(gm: torch.fx.GraphModule, example_inputs: Sequence[Any
         log.debug("graphgear: this torch's aot_module_simplified has no %r; leaving it out", k)
         kwargs.pop(k)
     return aot(gm, example_inputs, **kwargs)
+
+
+def aot_input_source(node: torch.fx.Node) -> tuple[int, tuple[str, ...]] | None:
+    """Which input of the callable given to AOTAutograd an AOT graph's placeholder holds:
+    ``(i, ())`` for input ``i`` itself, ``(i, ("_local_tensor",))`` for an inner tensor
+    of input ``i`` when that input is a tensor subclass (a DTensor parameter) that
+    AOTAutograd flattened (also a size or stride of one: ``("size", "0")``); None for what
+    AOTAutograd added itself (parameters it lifted, effect tokens, RNG seeds, synthetic
+    bases) or a placeholder with no descriptor.
+
+    ``node.meta["desc"]`` with ``torch._functorch._aot_autograd.descriptors``'
+    ``PlainAOTInput(idx)`` / ``SubclassGetAttrAOTInput(base, attr)`` /
+    ``SubclassSizeAOTInput`` / ``SubclassStrideAOTInput``: checked on 2.13 (AOTAutograd's
+    ``graph_capture`` sets it on every placeholder of the forward, inference and joint
+    graphs; the partitioner keeps it). If it went (older or newer torch), this returns
+    None and graphgear places gears and names counting from the end, which is right
+    unless an input is a flattened subclass."""
+    try:
+        from torch._functorch._aot_autograd import descriptors as d
+    except ImportError:
+        return None
+    desc = node.meta.get("desc")
+    path: list[str] = []
+    while True:
+        if isinstance(desc, d.SubclassGetAttrAOTInput):
+            path.append(desc.attr)
+        elif isinstance(desc, d.SubclassSizeAOTInput):
+            path += [str(desc.idx), "size"]
+        elif isinstance(desc, d.SubclassStrideAOTInput):
+            path += [str(desc.idx), "stride"]
+        else:
+            break
+        desc = desc.base
+    if isinstance(desc, d.PlainAOTInput):
+        return desc.idx, tuple(reversed(path))
+    return None
 
 
 def aot_partition_fn(min_cut: bool) -> Callable[..., Any]:

@@ -48,7 +48,7 @@ from .compilers.inductor import inductor_decompositions
 from .config import CompilerConfig, apply_options, mode_of
 from .errors import ConfigError, GraphgearError
 from .gears import guard_gears_shape, keep_size_one_dynamic, set_dim_gears
-from .inputs import GraphInputs
+from .inputs import GraphInputs, aot_input_names, aot_input_positions
 from .passes import check_disabled_passes
 from .passes.joint import joint_graph_passes, pre_grad_fusions
 from .pipeline import compile_graph
@@ -94,39 +94,31 @@ def _set_gear_to_compiler(
     """Record each input's gears on the compiler's example inputs and check them.
 
     ``input_dim_gears`` is keyed by the position among the ``num_inputs`` inputs dynamo
-    handed over (default ``len(names)``). AOTAutograd puts what it adds (parameters it
-    lifts out of the graph module, effect tokens) in front of them, so the gears are
-    placed counting from the end, as TorchAir does (``inputs[i - len(example_inputs)]``).
+    handed over (default ``len(names)``); :func:`graphgear.inputs.aot_input_positions`
+    finds each one among the AOT graph's placeholders (AOTAutograd adds inputs in front
+    and flattens tensor-subclass inputs in place).
     """
     n = len(names) if num_inputs is None else num_inputs
 
     @functools.wraps(compiler)
     def gear_compiler(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
-        added = len(example_inputs) - n  # inputs AOTAutograd put in front of the user's
+        where = aot_input_positions(gm, n)
         for i, dim_gears in input_dim_gears.items():
-            j = i + added
-            if 0 <= j < len(example_inputs) and isinstance(example_inputs[j], torch.Tensor):
+            j = where.get(i)
+            if j is not None and j < len(example_inputs) and isinstance(example_inputs[j], torch.Tensor):
                 set_dim_gears(example_inputs[j], dict(dim_gears))
             else:
                 log.warning(
-                    "graphgear: gears %s of input %d were not applied: the compiled graph has "
-                    "%d inputs for dynamo's %d", dict(dim_gears), i, len(example_inputs), n,
+                    "graphgear: gears %s of input %d (%s) were not applied: the compiled graph does "
+                    "not take that input as a plain tensor (%d inputs for dynamo's %d; a tensor "
+                    "subclass such as a DTensor is passed as its inner tensors)",
+                    dict(dim_gears), i, names[i] if i < len(names) else "?", len(example_inputs), n,
                 )
-        guard_gears_shape(example_inputs, aligned_input_names(gm, names, n))
+        guard_gears_shape(example_inputs, aot_input_names(gm, names) if len(names) == n else
+                          [p.name for p in gm.graph.find_nodes(op="placeholder")])
         return compiler(gm, example_inputs)
 
     return gear_compiler
-
-
-def aligned_input_names(gm: fx.GraphModule, names: Sequence[str], num_inputs: int) -> list[str]:
-    """Names for every placeholder of an AOT forward or inference graph: the user's names
-    for the last ``num_inputs`` (dynamo's inputs), the placeholder's own name for what
-    AOTAutograd put in front of them."""
-    placeholders = [p.name for p in gm.graph.find_nodes(op="placeholder")]
-    added = len(placeholders) - num_inputs
-    if added < 0 or len(names) != num_inputs:
-        return placeholders
-    return placeholders[:added] + list(names)
 
 
 def _get_partition_fn(config: CompilerConfig, pre_grad_done: bool = False) -> Callable[..., Any]:

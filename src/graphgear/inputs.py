@@ -15,12 +15,14 @@ from typing import Any
 import torch
 from torch import fx
 
-from ._torch import OpOverload, TracingContext, dynamo_graph_arg, op_schema
+from ._torch import OpOverload, TracingContext, aot_input_source, dynamo_graph_arg, op_schema
 from .errors import GearError
 from .gears import get_dim_gears
 
 __all__ = [
     "GraphInputs",
+    "aot_input_names",
+    "aot_input_positions",
     "dynamo_input_names",
     "input_name_matches",
     "mutated_placeholders",
@@ -115,6 +117,55 @@ def _pretty_source(name: str) -> str:
     name = re.sub(r"\._(?:modules|parameters|buffers)\['([^']+)'\]", r".\1", name)
     name = re.sub(r"^[LG]\['([^']+)'\]", r"\1", name)
     return name
+
+
+def aot_input_positions(gm: fx.GraphModule, num_inputs: int) -> dict[int, int]:
+    """``{dynamo input index: AOT placeholder index}`` for the inputs an AOT forward or
+    inference graph takes as they are (a plain tensor or a SymInt).
+
+    AOTAutograd puts what it adds (parameters it lifts, effect tokens) in front of the
+    inputs it was given, and flattens a tensor-subclass input (a DTensor parameter) into
+    its inner tensors in place, so the graph can have more placeholders than dynamo had
+    inputs, not only at the front. Each placeholder's AOT descriptor says which input it
+    holds (:func:`graphgear._torch.aot_input_source`); a subclass input has no entry here
+    (its graph inputs are its inner tensors). Without descriptors (another torch), the
+    inputs are counted from the end, as TorchAir does (``inputs[i - len(example_inputs)]``)."""
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    sources = [aot_input_source(p) for p in placeholders]
+    if any(s is not None for s in sources):
+        return {s[0]: j for j, s in enumerate(sources) if s is not None and not s[1] and s[0] < num_inputs}
+    added = len(placeholders) - num_inputs
+    if added < 0:
+        return {}
+    return {i: i + added for i in range(num_inputs)}
+
+
+def aot_input_names(gm: fx.GraphModule, names: Sequence[str]) -> list[str]:
+    """A name for every placeholder of an AOT forward or inference graph: the user's name
+    of the dynamo input it holds (``names``, one per dynamo input), with the attribute
+    for an inner tensor of a flattened subclass (``self.q_proj.weight._local_tensor``),
+    and the placeholder's own name for what AOTAutograd added (``arg0_1``)."""
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    sources = [aot_input_source(p) for p in placeholders]
+    if not any(s is not None for s in sources):
+        added = len(placeholders) - len(names)
+        if added < 0:
+            return [p.name for p in placeholders]
+        return [p.name for p in placeholders[:added]] + list(names)
+    out = []
+    for p, s in zip(placeholders, sources):
+        if s is None or s[0] >= len(names):
+            out.append(p.name)
+            continue
+        name, path = names[s[0]], list(s[1])
+        while path:
+            attr = path.pop(0)
+            if attr in ("size", "stride") and path:
+                name += f".{attr}()[{path.pop(0)}]"
+            else:
+                name += f".{attr}"
+        out.append(name)
+    return out
 
 
 def static_input_indices(num_inputs: int) -> list[int]:

@@ -20,7 +20,7 @@ from .config import mode_of
 from .context import CompileContext
 from .dispatch import GearedGraph, output_specs, unsliceable_outputs
 from .gears import GearPlan
-from .inputs import mutated_placeholders, static_input_indices
+from .inputs import aot_input_names, mutated_placeholders, static_input_indices
 from .passes import post_grad_pass_manager
 from .shapes import ShapeInfo, specialize
 from .stats import new_record
@@ -56,10 +56,9 @@ def compile_graph(
     t0 = time.perf_counter()
     placeholders = [n.name for n in gm.graph.find_nodes(op="placeholder")]
     names = placeholders
-    if input_names is not None and stage != "backward" and len(input_names) <= len(placeholders):
-        # the user's inputs are the last ones: AOTAutograd puts the parameters it lifts
-        # and its effect tokens in front of them
-        names = placeholders[: len(placeholders) - len(input_names)] + list(input_names)
+    if input_names is not None and stage != "backward":
+        # the user's names, where AOTAutograd's placeholders hold dynamo's inputs
+        names = aot_input_names(gm, input_names)
     record.inputs = names
     debug.dump_graph(gm, config, record.name, stage)
     post_grad_pass_manager(config).run(gm, example_inputs, config, record)
