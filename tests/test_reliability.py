@@ -78,9 +78,9 @@ def test_item1_views_made_under_inference_mode_raise_when_stale(make_view) -> No
 
 
 def test_item1_frozen_packed_outputs_go_stale_like_any_other() -> None:
-    """frozen_parameter at 4 rows: the output comes straight from a matrix product on
-    packed weights (MKL's, whose result ATen allocates outside the pool, or the C++
-    template's); either way a view made under inference_mode goes stale like any output."""
+    """frozen_parameter at 4 rows: the output comes straight from the C++ GEMM template's
+    product on packed weights; a view of it made under inference_mode goes stale like any
+    output."""
     net = nn.Linear(8, 8)
     f = torch.compile(net, backend=_ro(warmup_iters=0, frozen_parameter=True))
     x1, x2 = torch.randn(4, 8), torch.randn(4, 8)

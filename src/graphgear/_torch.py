@@ -125,7 +125,6 @@ __all__ = [
     "inductor_compile_fx_inner",
     "inductor_config_patch",
     "inductor_decomp_table",
-    "inductor_freeze",
     "inductor_lowering",
     "inductor_remove_noop_ops",
     "inductor_virtual_fake_mode",
@@ -497,28 +496,6 @@ def inductor_config_patch(**changes: Any) -> Any:
     from torch._inductor import config as inductor_config
 
     return inductor_config.patch(**changes)
-
-
-def inductor_freeze(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> torch.fx.GraphModule:
-    """Inductor's freezing passes on a graph whose parameters are already constants
-    (``get_attr``): constant folding, then weight packing, where a matrix product with a
-    constant weight becomes an MKL (``mkl::_mkl_linear``) or oneDNN linear on a weight
-    packed once, here, for the product's row count. Compiled with ``freezing=True`` and
-    ``max_autotune``, Inductor's lowering of the packed linear then benchmarks the packed
-    library kernel against its C++ GEMM template for each product.
-
-    ``torch._inductor.freezing.freeze(dynamo_gm, aot_gm, example_inputs)``: checked on
-    2.13. Run outside any tracing context it turns no placeholder into a constant (the
-    caller did) and keeps every input; ``freezing_discard_parameters`` (off by default)
-    is forced off, so the user's module keeps its parameters. If it moved or changed,
-    the CPU graph's packed small-batch path (``frozen_parameter``) would fail to compile
-    and the CPU graph would fall back to its unpacked compile."""
-    from torch._inductor import config as inductor_config
-    from torch._inductor.freezing import freeze
-
-    with tracing(None), inductor_config.patch(freezing_discard_parameters=False):
-        frozen, _kept = freeze(gm, gm, example_inputs)
-    return frozen
 
 
 def count_tangents(gm: torch.fx.GraphModule) -> int:

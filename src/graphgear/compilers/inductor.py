@@ -35,7 +35,6 @@ from .._torch import (
     inductor_config_patch,
     inductor_decomp_table,
     inductor_drop_args,
-    inductor_freeze,
     pytree,
     tracing,
     unset_fake_temporarily,
@@ -170,20 +169,24 @@ def static_fakes(args: Sequence[Any], *, allow_constants: bool = False) -> list[
 
 def compile_static(
     gm: fx.GraphModule, args: Sequence[Any], *, stage: str, static_idx: Sequence[int],
-    frozen: bool = False, pack: bool = True,
+    frozen: bool = False,
 ) -> Callable[[list[Any]], Any]:
     """Inductor-compile a static-shape graph for a device graph to capture (the CPU
     graph records its allocations; a CUDA graph captures its kernels); boxed callable.
 
     ``frozen`` (``experimental_config.frozen_parameter`` on an inference graph on the
-    CPU): the static inputs that are parameters become constants of the graph, packed
-    once at compile time: for Inductor's C++ GEMM template, and where every matrix product
-    has :data:`PACK_MIN_ROWS` rows or more (a decode step at batch 2 to 8, where ATen's
-    small-M GEMM reads weights at a fifth of the one-row rate) also for MKL, by Inductor's
-    freezing passes, with Inductor benchmarking the two per product (``pack``: allow the
-    MKL packing; it is retried without where it fails). The compiled code then holds a
-    packed copy: parameters changed in place afterwards are not seen. That is what
-    ``frozen_parameter`` promises."""
+    CPU): the static inputs that are parameters become constants of the graph, so
+    Inductor's C++ GEMM template packs the weights once at compile time and serves every
+    small-M matrix product from them (a decode step at batch 2 to 8: ATen's small-M GEMM
+    reads weights at a fifth of the one-row rate). Buffers and static-address inputs (a
+    KV cache's write position) stay inputs: they are state that may change between
+    replays. The compiled code holds a packed copy: parameters changed in place
+    afterwards are not seen. That is what ``frozen_parameter`` promises.
+
+    Measured and not kept (2026-12-01, the transformers Qwen2 of bench_decode, 1 thread):
+    packing the weights for MKL too (Inductor's freezing passes, ``mkl::_mkl_linear``)
+    and letting Inductor autotune it against the template: batch 4 7 % slower, batch 8
+    no faster (MKL's small-M rate is the same packed or not at K = 256)."""
     register_inductor_lowering()
     frozen = frozen and bool(static_idx)
     fakes = static_fakes(args, allow_constants=frozen)
@@ -197,59 +200,20 @@ def compile_static(
     )
     keep = list(range(len(args)))
     static = list(static_idx)
-    packed = False
     if frozen:
-        # parameters only: buffers and static-address inputs (a KV cache's write
-        # position) are state that may change between replays
         params = [i for i in static if isinstance(args[i], torch.nn.Parameter)]
         keep = _freeze_inputs(dgm, args, params)
         fakes = [fakes[i] for i in keep]
         static = [keep.index(i) for i in static if i in keep]
         patches.update(max_autotune=True, max_autotune_gemm_backends="CPP")
-        rows = _matmul_rows(dgm)
-        packed = pack and bool(params) and min(rows, default=1) >= PACK_MIN_ROWS
-    try:
-        if packed:
-            dgm = inductor_freeze(dgm, fakes)
-            patches.update(freezing=True, max_autotune_gemm_backends="CPP,ATEN")
-        with cache_context(fakes, replace=True), inductor_config_patch(**patches):
-            compiled = inductor_compile_fx_inner(
-                dgm, fakes, static_input_idxs=static,
-                is_inference=stage == "inference", is_backward=stage == "backward",
-            )
-    except Exception as e:
-        if not packed:
-            raise
-        log.warning("graphgear: packing the weights for MKL failed (%s: %s); compiling this graph "
-                    "with Inductor's C++ GEMM template alone.", type(e).__name__, e)
-        return compile_static(gm, args, stage=stage, static_idx=static_idx, frozen=True, pack=False)
-    if packed:
-        log.info("graphgear: packed the weights of %d matrix products (%s rows) for MKL; Inductor "
-                 "picks the packed kernel or its C++ GEMM template per product", len(rows),
-                 "/".join(map(str, sorted(set(rows)))))
+    with cache_context(fakes, replace=True), inductor_config_patch(**patches):
+        compiled = inductor_compile_fx_inner(
+            dgm, fakes, static_input_idxs=static,
+            is_inference=stage == "inference", is_backward=stage == "backward",
+        )
     if len(keep) == len(args):
         return compiled
     return inductor_drop_args(compiled, keep)
-
-
-#: matrix products with at least this many rows (a decode step at batch 2 and up) get
-#: weights packed for MKL, as Inductor's freezing does; one-row products (batch 1) are
-#: memory-bound vector products that Inductor's ``decompose_mm_pass`` fuses into C++ loops
-#: instead. Measured on the 2-core CPU (FACTS.md, a 12 MB linear, 1 thread): C++ GEMM
-#: template 231 / 411 / 1595 us at 1 / 4 / 8 rows, packed 510 / 568 / 660 us.
-PACK_MIN_ROWS = 2
-
-
-def _matmul_rows(gm: fx.GraphModule) -> list[int]:
-    """The row counts of the graph's 2-d matrix products (``mm``, ``addmm``)."""
-    rows = []
-    for n in gm.graph.nodes:
-        if n.op == "call_function" and n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
-            a = n.args[1] if n.target is torch.ops.aten.addmm.default else n.args[0]
-            val = a.meta.get("val") if isinstance(a, fx.Node) else None
-            if isinstance(val, torch.Tensor) and val.dim() == 2:
-                rows.append(int(val.shape[0]))
-    return rows
 
 
 def _freeze_inputs(gm: fx.GraphModule, args: Sequence[Any], frozen: Sequence[int]) -> list[int]:
