@@ -130,9 +130,8 @@ def aot_input_positions(gm: fx.GraphModule, num_inputs: int) -> dict[int, int]:
     holds (:func:`graphgear._torch.aot_input_source`); a subclass input has no entry here
     (its graph inputs are its inner tensors). Without descriptors (another torch), the
     inputs are counted from the end, as TorchAir does (``inputs[i - len(example_inputs)]``)."""
-    placeholders = list(gm.graph.find_nodes(op="placeholder"))
-    sources = [aot_input_source(p) for p in placeholders]
-    if any(s is not None for s in sources):
+    placeholders, sources = _aot_sources(gm)
+    if sources is not None:
         return {s[0]: j for j, s in enumerate(sources) if s is not None and not s[1] and s[0] < num_inputs}
     added = len(placeholders) - num_inputs
     if added < 0:
@@ -140,14 +139,22 @@ def aot_input_positions(gm: fx.GraphModule, num_inputs: int) -> dict[int, int]:
     return {i: i + added for i in range(num_inputs)}
 
 
+def _aot_sources(gm: fx.GraphModule) -> tuple[list[fx.Node], list[Any] | None]:
+    """The graph's placeholders and each one's AOT input source
+    (:func:`graphgear._torch.aot_input_source`), or None where no placeholder has one
+    (a torch without descriptors)."""
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    sources = [aot_input_source(p) for p in placeholders]
+    return placeholders, sources if any(s is not None for s in sources) else None
+
+
 def aot_input_names(gm: fx.GraphModule, names: Sequence[str]) -> list[str]:
     """A name for every placeholder of an AOT forward or inference graph: the user's name
     of the dynamo input it holds (``names``, one per dynamo input), with the attribute
     for an inner tensor of a flattened subclass (``self.q_proj.weight._local_tensor``),
     and the placeholder's own name for what AOTAutograd added (``arg0_1``)."""
-    placeholders = list(gm.graph.find_nodes(op="placeholder"))
-    sources = [aot_input_source(p) for p in placeholders]
-    if not any(s is not None for s in sources):
+    placeholders, sources = _aot_sources(gm)
+    if sources is None:
         added = len(placeholders) - len(names)
         if added < 0:
             return [p.name for p in placeholders]

@@ -310,12 +310,12 @@ class CaptureEngine:
 
     def _device_graph(self, args: list[Any]) -> Any:
         kw = dict(pool=self.pool, name=self.record.name)
-        self._executor_for(args)
+        executor = self._executor_for(args)
         if self.device.type == "cpu":
-            return CPUGraph(self._executor, **kw)
+            return CPUGraph(executor, **kw)
         if self.device.type == "cuda":
-            return CUDAGraph(self._executor, device=self.device, mutated_idx=self.mutated_idx, **kw)
-        return NPUGraph(self._executor, device=self.device, mutated_idx=self.mutated_idx, **kw)
+            return CUDAGraph(executor, device=self.device, mutated_idx=self.mutated_idx, **kw)
+        return NPUGraph(executor, device=self.device, mutated_idx=self.mutated_idx, **kw)
 
     def _compile(self, args: list[Any]) -> Any:
         """The code every capture of this graph runs (compiled once per engine)."""
