@@ -71,6 +71,16 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="LOG %(name)s %(message)s")
     use_private_inductor_cache()
     from torch._dynamo.utils import counters  # the test reads how many compiles ran
+    from torch._inductor import cpu_vec_isa
+
+    probes = [0]  # Inductor's base vector-ISA probes (a child process each) this process ran
+    check_build = cpu_vec_isa.VecISA.check_build
+
+    def counted(self: Any, code: str) -> bool:
+        probes[0] += code == cpu_vec_isa.VecISA._avx_code
+        return check_build(self, code)
+
+    cpu_vec_isa.VecISA.check_build = counted  # type: ignore[method-assign]
 
     model = _model(a.model, a.layers)
     gears = [int(g) for g in a.gears.split(",") if g]
@@ -110,7 +120,7 @@ def main() -> None:
         "aot_compiles": counters["aot_autograd"]["total"],
         "inductor_compiles": counters["inductor"]["fxgraph_cache_hit"] + counters["inductor"]["fxgraph_cache_miss"]
         + counters["inductor"]["fxgraph_cache_bypass"],
-        "stores": getattr(fn, "stores", 0), "imports_s": T_IMPORTS, "ready_s": ready}))
+        "isa_probes": probes[0], "stores": getattr(fn, "stores", 0), "imports_s": T_IMPORTS, "ready_s": ready}))
 
 
 if __name__ == "__main__":

@@ -74,6 +74,8 @@ def test_hit_compiles_nothing_and_is_bit_equal(tmp_path: Path, mode: str) -> Non
     assert (second["compiles"], second["aot_compiles"], second["inductor_compiles"]) == (0, 0, 0)
     assert second["sha"] == first["sha"] and second["steady"]
     assert second["stores"] == 0 and "graphgear cache: stored" not in second["log"]
+    if first["isa_probes"]:  # x86: the entry's recorded vector ISA spares the hit Inductor's base probes
+        assert second["isa_probes"] == 0, second
     if mode == "reduce-overhead":
         assert second["captures"] == 3  # device graphs are captured per process
 
@@ -92,6 +94,44 @@ def test_runtime_recompile_stores_once_per_new_key_not_per_step(tmp_path: Path) 
     third = _worker(folder, *base, "--batch", "2")
     assert third["cache"] == ["hit"] and third["compiles"] == 0 and third["stores"] == 0
     assert third["loaded_keys"] == 1 and third["sha"] == second["sha"]
+
+
+def test_recorded_vector_isa_is_adopted_only_when_this_cpu_leads_to_it() -> None:
+    """adopt_vec_isa: a fresh process told the ISA Inductor picks here skips the base
+    probes and picks the same; told another ISA it changes nothing (Inductor probes as
+    usual when it first needs to)."""
+    from torch._inductor import cpu_vec_isa
+
+    from graphgear._torch import inductor_vec_isa_if_known
+
+    cpu_vec_isa.pick_vec_isa()
+    here = inductor_vec_isa_if_known()
+    if here is None:
+        pytest.skip("not an x86 CPU: Inductor runs no build probes to skip")
+    child = (
+        "import sys, json\n"
+        "from torch._inductor import cpu_vec_isa as c\n"
+        "from graphgear._torch import adopt_vec_isa\n"
+        "n = [0]; cb = c.VecISA.check_build\n"
+        "def counted(self, code):\n"
+        "    n[0] += code == c.VecISA._avx_code\n"
+        "    return cb(self, code)\n"
+        "c.VecISA.check_build = counted\n"
+        "ok = adopt_vec_isa(sys.argv[1])\n"
+        "cached = c.valid_vec_isa_list.cache_info().currsize\n"
+        "print(json.dumps([ok, cached, str(c.pick_vec_isa()), n[0]]))\n"
+    )
+    env = dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}")
+
+    def run(recorded: str) -> list[Any]:
+        p = subprocess.run([sys.executable, "-c", child, recorded], capture_output=True, text=True, env=env,
+                           timeout=300)
+        assert p.returncode == 0, p.stderr[-2000:]
+        return json.loads(p.stdout.strip().splitlines()[-1])
+
+    assert run(here) == [True, 1, here, 0]
+    ok, cached, picked, probes = run("not-an-isa")
+    assert (ok, cached, picked) == (False, 0, here) and probes > 0
 
 
 def test_entry_unpickler_allows_only_listed_globals() -> None:

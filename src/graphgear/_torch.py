@@ -757,6 +757,56 @@ def inductor_config_digest() -> str:
     return hashlib.sha256(repr(items).encode()).hexdigest()
 
 
+def inductor_vec_isa_if_known() -> str | None:
+    """The CPU vector ISA Inductor picked in this process (``str(pick_vec_isa())``, e.g.
+    ``"avx512"``), or None when it has not probed yet (``valid_vec_isa_list`` not cached)
+    or this is not an x86 CPU. Checked on 2.13 (``torch._inductor.cpu_vec_isa``, 2.11 to
+    2.14)."""
+    import platform
+
+    from torch._inductor import cpu_vec_isa
+
+    if platform.machine() not in ("x86_64", "AMD64") or cpu_vec_isa.valid_vec_isa_list.cache_info().currsize == 0:
+        return None
+    return str(cpu_vec_isa.pick_vec_isa())
+
+
+def adopt_vec_isa(recorded: str | None) -> bool:
+    """Let Inductor skip its base ISA probes when a trusted record says which ISA it
+    picked on this machine before; True when it did.
+
+    Inductor decides which vector ISA to compile for by building a probe library per
+    ISA and ``dlopen``-ing each in a child Python (``VecISA.check_build``): on a 2-core
+    machine each child loads libtorch, about 0.6 s, four of them before the first C++
+    kernel of a process can be looked up, cached or not. A compile-cache hit has the
+    storing process's answer (``recorded``): when this CPU's flags make the same ISA the
+    best candidate, Inductor's list is computed once with ``cpp.vec_isa_ok=True`` (its own
+    switch that trusts the base probe; the AVX-512 bf16/VNNI and AMX extra probes still
+    run) and must come out as ``recorded``. Nothing changes when Inductor already probed,
+    when ``ATEN_CPU_CAPABILITY``, ``cpp.simdlen`` or ``cpp.vec_isa_ok`` steer it, or on
+    other CPUs. Checked on 2.13 (``x86_isa_checker``, ``supported_vec_isa_list``,
+    ``valid_vec_isa_list``; 2.11 to 2.14)."""
+    import os
+    import platform
+
+    import torch._inductor.config as inductor_config
+    from torch._inductor import cpu_vec_isa
+
+    if (not recorded or platform.machine() not in ("x86_64", "AMD64") or os.environ.get("ATEN_CPU_CAPABILITY")
+            or inductor_config.cpp.simdlen is not None or inductor_config.cpp.vec_isa_ok is not None
+            or cpu_vec_isa.valid_vec_isa_list.cache_info().currsize):
+        return False
+    flags = cpu_vec_isa.x86_isa_checker()
+    candidates = [isa for isa in cpu_vec_isa.supported_vec_isa_list if all(f in flags for f in str(isa).split())]
+    if not candidates or str(candidates[0]) != recorded:
+        return False
+    with inductor_config.patch({"cpp.vec_isa_ok": True}):
+        picked = str(cpu_vec_isa.pick_vec_isa())
+    if picked != recorded:  # an extra probe failed here: the kernels' keys differ, they compile
+        log.info("graphgear: Inductor picked vector ISA %s, the cache entry recorded %s", picked, recorded)
+    return picked == recorded
+
+
 def serializable_guard_filter(unpicklable_free: Sequence[str] = ()) -> Callable[[Sequence[Any]], list[bool]]:
     """A ``guard_filter_fn`` for ``aot_compile``: its default (drop guards on globals and
     guard types torch cannot serialise, ``CheckFunctionManager.

@@ -94,10 +94,12 @@ from torch import nn
 
 from ._torch import (
     SerializableCallable,
+    adopt_vec_isa,
     aot_compiled_backend_result,
     bundled_entry_outputs,
     changed_traced_sources,
     inductor_config_digest,
+    inductor_vec_isa_if_known,
     load_bundled_entry,
     pytree,
     serializable_guard_filter,
@@ -447,8 +449,10 @@ def _locked(folder: str) -> Iterator[None]:
 
 
 def _write_entry(path: str, name: str, key: str, parts: dict[str, str], payload: bytes) -> None:
+    # "vec_isa": the CPU vector ISA Inductor probed for here (not a key part: a later
+    # process on a CPU whose flags lead to the same ISA skips Inductor's base probes)
     header = {"name": name, "key": key, "parts": parts, "sha256": hashlib.sha256(payload).hexdigest(),
-              "size": len(payload), "created": time.time()}
+              "size": len(payload), "created": time.time(), "vec_isa": inductor_vec_isa_if_known()}
     folder = os.path.dirname(path)
     with _locked(folder):
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=folder)  # mode 0600
@@ -624,6 +628,8 @@ class CachedFunction:
                 diff = _differing(header["parts"], parts)
                 if header.get("key") != key or diff:
                     raise ValueError(f"its key parts differ ({', '.join(diff) or 'key'})")
+                isa = header.get("vec_isa")
+                adopt_vec_isa(isa if isinstance(isa, str) else None)
                 compiled = torch.compiler.load_compiled_function(
                     io.BytesIO(payload), f_globals=_module_globals(payload),
                     external_data=_closure_objects(self._func))
