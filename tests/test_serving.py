@@ -30,14 +30,19 @@ def test_serve_decodes_like_eager_with_one_capture() -> None:
     assert len(recs) == 1 and recs[0].captures == 1 and recs[0].fallbacks == []
 
 
-def test_serving_guard_filter_drops_only_module_guards() -> None:
+_SCALE = torch.ones(4)  # a global tensor the compiled code reads: its tensor guard stays
+
+
+def test_serving_guard_filter_drops_module_and_global_guards_only() -> None:
     seen: list[tuple[int, int]] = []
+    global _SCALE
 
     def spy(entries):  # type: ignore[no-untyped-def]
         keep = serving_guard_filter(entries)
         seen.append((len(entries), sum(keep)))
-        for e, k in zip(entries, keep):  # module guards go, every other guard stays
-            assert k == (not e.orig_guard.source.is_unspecialized_nn_module()), e.name
+        for e, k in zip(entries, keep):  # module guards and non-tensor globals go, the rest stays
+            module = e.orig_guard.source.is_unspecialized_nn_module()
+            assert k == (not module and (not e.is_global or e.guard_type == "TENSOR_MATCH")), e.name
         return keep
 
     class Flag:
@@ -47,14 +52,16 @@ def test_serving_guard_filter_drops_only_module_guards() -> None:
     net = torch.nn.Linear(4, 4)
 
     def fn(x: torch.Tensor) -> torch.Tensor:
-        return net(x) + (1.0 if state.on else -1.0)
+        return net(x) * _SCALE + (1.0 if state.on else -1.0)
 
     f = torch.compile(fn, backend=graphgear.get_backend(), options={"guard_filter_fn": spy})
     x = torch.randn(2, 4)
     with torch.no_grad():
         assert_close(f(x), net(x) + 1.0, reduction=4)
-        state.on = False  # not a module: its guard is kept, so this recompiles correctly
+        state.on = False  # not a module nor a global: its guard is kept, so this recompiles correctly
         assert_close(f(x), net(x) - 1.0, reduction=4)
+        _SCALE = torch.full((2, 1), 2.0)  # a global tensor of another shape: its guard is kept
+        assert_close(f(x), net(x) * 2.0 - 1.0, reduction=4)
     assert seen and all(kept < total for total, kept in seen)
 
 
