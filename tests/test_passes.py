@@ -133,7 +133,7 @@ def test_disabled_passes_unknown_name_is_an_error():
 def test_pass_names_lists_every_builtin_pass():
     names = pass_names()
     for n in ("rms_norm_fusion", "rotary_fusion", "attention_fusion", "remove_noop_ops",
-              "pattern_fusion", "reinplace_inputs", "view_to_reshape"):
+              "pattern_fusion", "fold_repeat_kv", "reinplace_inputs", "view_to_reshape"):
         assert n in names
 
 
@@ -705,3 +705,89 @@ def test_hf_training_with_fusions_max_autotune(which, rms_kernel):
         assert (m["rms_norm_fusion"], m["rotary_fusion"], m["attention_fusion"]) == (5, 4, 0), m
     else:
         assert (m["rms_norm_fusion"], m["rotary_fusion"], m["attention_fusion"]) == (0, 0, 0), m
+
+
+# ---------------------------------------------------------------- fold_repeat_kv
+
+
+class _GQA(nn.Module):
+    """transformers' decode attention: write the new key/value into a static cache,
+    ``repeat_kv`` the cache to the query heads, SDPA with a boolean mask."""
+
+    def __init__(self, batch: int, heads: int = 4, kv_heads: int = 2, length: int = 16, dim: int = 8) -> None:
+        super().__init__()
+        self.rep = heads // kv_heads
+        self.register_buffer("k_cache", torch.zeros(batch, kv_heads, length, dim))
+        self.register_buffer("v_cache", torch.zeros(batch, kv_heads, length, dim))
+        self.q = nn.Linear(dim, heads * dim)
+        self.heads, self.dim = heads, dim
+
+    @staticmethod
+    def repeat_kv(x: torch.Tensor, rep: int) -> torch.Tensor:
+        b, h, n, d = x.shape
+        return x[:, :, None, :, :].expand(b, h, rep, n, d).reshape(b, h * rep, n, d)
+
+    def forward(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        b = x.shape[0]
+        q = self.q(x).view(b, 1, self.heads, self.dim).transpose(1, 2)
+        self.k_cache.index_copy_(2, pos, k)
+        self.v_cache.index_copy_(2, pos, v)
+        mask = (torch.arange(self.k_cache.shape[2]) <= pos)[None, None, None, :].expand(b, 1, 1, -1)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, self.repeat_kv(self.k_cache, self.rep), self.repeat_kv(self.v_cache, self.rep), attn_mask=mask)
+        return out.transpose(1, 2).reshape(b, 1, -1)
+
+
+@pytest.mark.parametrize("mode", ["eager", "reduce-overhead", "max-autotune"])
+def test_fold_repeat_kv_in_inference_equals_eager(mode):
+    """The CPU attention reads the unexpanded KV cache (the pass fires once per
+    attention) and every step's output and cache write equal eager's."""
+    torch.manual_seed(0)
+    model = _GQA(batch=3)
+    ref = copy.deepcopy(model)
+    cfg = eager_config() if mode == "eager" else graphgear.CompilerConfig()
+    if mode != "eager":
+        cfg.mode = mode
+    f = torch.compile(model, backend=graphgear.get_backend(cfg))
+    with torch.no_grad():
+        for p in range(4):
+            x, k, v = torch.randn(3, 1, 8), torch.randn(3, 2, 1, 8), torch.randn(3, 2, 1, 8)
+            pos = torch.tensor([p])
+            assert_close(f(x, k, v, pos), ref(x, k, v, pos), reduction=16)
+    assert_close(model.k_cache, ref.k_cache, reduction=1)
+    assert_close(model.v_cache, ref.v_cache, reduction=1)
+    assert last_record().passes.get("fold_repeat_kv") == 1
+
+
+def test_fold_repeat_kv_leaves_training_and_other_layouts_alone():
+    """A training forward saves the attention's log-sum-exp for the backward (which
+    reads the expanded tensors): not rewritten, gradients equal eager's. A repeat along
+    another dim is not ``repeat_kv``: not rewritten."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 5, 8, requires_grad=True) for _ in range(3))
+    kv_k, kv_v = (torch.randn(2, 2, 5, 8, requires_grad=True) for _ in range(2))
+
+    def fn(q, kv_k, kv_v):
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, _GQA.repeat_kv(kv_k, 2), _GQA.repeat_kv(kv_v, 2)).sum()
+
+    f = torch.compile(fn, backend=graphgear.get_backend(eager_config()))
+    got = torch.autograd.grad(f(q, kv_k, kv_v), (q, kv_k, kv_v))
+    want = torch.autograd.grad(fn(q, kv_k, kv_v), (q, kv_k, kv_v))
+    for a, b in zip(got, want):
+        assert_close(a, b, reduction=40)
+    assert all(r.passes.get("fold_repeat_kv", 0) == 0 for r in graphgear.stats().graphs)
+
+    graphgear.reset()
+    torch._dynamo.reset()
+
+    def other(q, kv):  # repeats whole positions (dim 3), not heads
+        b, h, n, d = kv.shape
+        rep = kv[:, :, :, None, :].expand(b, h, n, 2, d).reshape(b, h, n * 2, d)
+        return torch.nn.functional.scaled_dot_product_attention(q, rep, rep)
+
+    g = torch.compile(other, backend=graphgear.get_backend(eager_config()))
+    with torch.no_grad():
+        qq, kv = torch.randn(2, 2, 3, 8), torch.randn(2, 2, 5, 8)
+        assert_close(g(qq, kv), other(qq, kv), reduction=10)
+    assert last_record().passes.get("fold_repeat_kv", 0) == 0

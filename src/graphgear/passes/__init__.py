@@ -2,6 +2,7 @@
 
 ``default_passes(config)`` builds the post-grad pipeline every mode runs, in order:
 the user's pre pass, ``remove_noop_ops``, ``pattern_fusion`` (registered replacements),
+``fold_repeat_kv`` (grouped-query attention without the repeated KV copy),
 ``reinplace_inputs`` (in-place recovery), ``view_to_reshape``, the user's post pass.
 The joint-graph fusion passes (``experimental_config.fx_passes``) run earlier, on the
 inference graph, or on a training graph's forward before differentiation (the joint
@@ -23,6 +24,7 @@ from .manager import GraphPass, PassManager, UserPass
 from .noop import RemoveNoopOps
 from .patterns import PatternFusion, register_replacement
 from .reinplace import ReinplaceInputs
+from .repeat_kv import FoldRepeatKV
 from .view_to_reshape import ViewToReshape
 
 
@@ -60,7 +62,7 @@ def default_passes(config: Any) -> list[GraphPass]:
     pre = config.experimental_config.post_grad_custom_pre_pass
     if pre is not None:
         passes.append(UserPass("post_grad_custom_pre_pass", pre))
-    passes += [RemoveNoopOps(), PatternFusion(), ReinplaceInputs(), ViewToReshape()]
+    passes += [RemoveNoopOps(), PatternFusion(), FoldRepeatKV(), ReinplaceInputs(), ViewToReshape()]
     post = config.experimental_config.post_grad_custom_post_pass
     if post is not None:
         passes.append(UserPass("post_grad_custom_post_pass", post))
@@ -70,7 +72,7 @@ def default_passes(config: Any) -> list[GraphPass]:
 def pass_names() -> list[str]:
     """Names of every built-in pass, in the order they run (joint passes first)."""
     return joint_pass_manager().names() + [
-        RemoveNoopOps.name, PatternFusion.name, ReinplaceInputs.name, ViewToReshape.name,
+        RemoveNoopOps.name, PatternFusion.name, FoldRepeatKV.name, ReinplaceInputs.name, ViewToReshape.name,
         "post_grad_custom_pre_pass", "post_grad_custom_post_pass",
     ]
 
