@@ -614,3 +614,39 @@ def test_frozen_parameters_are_packed_constants_and_match_eager(batch: int) -> N
     r = _rec()
     assert (r.captures, r.fallbacks) == (1, [])
     assert_close(model.layers[0].attn.k_cache, ref.layers[0].attn.k_cache, reduction=64)
+
+
+def test_frozen_small_m_products_are_packed_for_mkl_and_equal_eager() -> None:
+    """pack_frozen_linears: ``mm``/``addmm`` with a frozen fp32 weight and 2..64 rows
+    become MKL's packed GEMM (one packed copy per weight and row count) and compute what
+    they did; one row, a weight that is an input, or another dtype is left alone."""
+    from graphgear._torch import make_fx_allowing_real_inputs
+    from graphgear.compilers.mkl_pack import mkl_packing_available, pack_frozen_linears
+
+    if not mkl_packing_available():
+        pytest.skip("this torch has no MKL")
+    torch.manual_seed(0)
+    w1, b1, w2 = torch.randn(48, 32), torch.randn(48), torch.randn(32, 48)
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("w1", w1)
+            self.register_buffer("b1", b1)
+            self.register_buffer("w2", w2)
+
+        def forward(self, x: torch.Tensor, w_in: torch.Tensor) -> torch.Tensor:
+            h = torch.nn.functional.linear(x, self.w1, self.b1).relu()
+            return torch.nn.functional.linear(h, self.w2) + torch.nn.functional.linear(x, w_in)
+
+    for rows, want in [(1, 0), (3, 2), (8, 2), (65, 0)]:
+        x, w_in = torch.randn(rows, 32), torch.randn(32, 32)
+        gm = make_fx_allowing_real_inputs(Net())(x, w_in)
+        gm.graph.eliminate_dead_code()
+        expected = Net()(x, w_in)
+        assert pack_frozen_linears(gm) == want, rows
+        packed = gm.graph.find_nodes(op="call_function", target=torch.ops.mkl._mkl_linear.default)
+        assert len(packed) == want
+        assert_close(gm(x, w_in), expected, reduction=48)
+    half = make_fx_allowing_real_inputs(Net().double())(torch.randn(4, 32).double(), torch.randn(32, 32).double())
+    assert pack_frozen_linears(half) == 0

@@ -43,6 +43,7 @@ from ..artifacts import KeyArtifact, strip_cache_tag
 from ..context import CompileContext
 from ..passes import PASSES_VERSION
 from ..passes.ops import inductor_fused_op_decompositions, inline_decompositions, register_inductor_lowering
+from .mkl_pack import pack_frozen_linears
 
 log = logging.getLogger(__name__)
 
@@ -175,18 +176,18 @@ def compile_static(
     graph records its allocations; a CUDA graph captures its kernels); boxed callable.
 
     ``frozen`` (``experimental_config.frozen_parameter`` on an inference graph on the
-    CPU): the static inputs that are parameters become constants of the graph, so
-    Inductor's C++ GEMM template packs the weights once at compile time and serves every
-    small-M matrix product from them (a decode step at batch 2 to 8: ATen's small-M GEMM
-    reads weights at a fifth of the one-row rate). Buffers and static-address inputs (a
+    CPU): the static inputs that are parameters become constants of the graph, so the
+    weights are packed once at compile time and every small-M matrix product is served
+    from them (a decode step at batch 2 to 8: ATen's small-M GEMM reads weights at a
+    fifth of the one-row rate). Buffers and static-address inputs (a
     KV cache's write position) stay inputs: they are state that may change between
     replays. The compiled code holds a packed copy: parameters changed in place
     afterwards are not seen. That is what ``frozen_parameter`` promises.
 
-    Measured and not kept (2026-12-01, the transformers Qwen2 of bench_decode, 1 thread):
-    packing the weights for MKL too (Inductor's freezing passes, ``mkl::_mkl_linear``)
-    and letting Inductor autotune it against the template: batch 4 7 % slower, batch 8
-    no faster (MKL's small-M rate is the same packed or not at K = 256)."""
+    On the CPU, products of 2 to 64 rows with a frozen weight go to MKL's packed GEMM
+    (:mod:`.mkl_pack`, packed once here); one-row products are Inductor's decomposed
+    reductions (``decompose_mm_pass``) and larger ones its C++ GEMM template.
+    """
     register_inductor_lowering()
     frozen = frozen and bool(static_idx)
     fakes = static_fakes(args, allow_constants=frozen)
@@ -205,7 +206,11 @@ def compile_static(
         keep = _freeze_inputs(dgm, args, params)
         fakes = [fakes[i] for i in keep]
         static = [keep.index(i) for i in static if i in keep]
-        patches.update(max_autotune=True, max_autotune_gemm_backends="CPP")
+        if all(not isinstance(a, torch.Tensor) or a.device.type == "cpu" for a in args):
+            pack_frozen_linears(dgm)
+        if dgm.graph.find_nodes(op="call_function", target=torch.ops.aten.mm.default) or \
+                dgm.graph.find_nodes(op="call_function", target=torch.ops.aten.addmm.default):
+            patches.update(max_autotune=True, max_autotune_gemm_backends="CPP")
     with cache_context(fakes, replace=True), inductor_config_patch(**patches):
         compiled = inductor_compile_fx_inner(
             dgm, fakes, static_input_idxs=static,
