@@ -82,7 +82,9 @@ def main() -> None:
 
     cpu_vec_isa.VecISA.check_build = counted  # type: ignore[method-assign]
 
+    t_model = time.perf_counter()
     model = _model(a.model, a.layers)
+    model_s = time.perf_counter() - t_model  # transformers' import and the model's build
     gears = [int(g) for g in a.gears.split(",") if g]
     mark = bool(gears) and not a.torch_default  # torch's default specialises the batch dim
     args, kwargs = _inputs(a.model, a.batch, gears, mark)
@@ -121,7 +123,7 @@ def main() -> None:
         "aot_compiles": counters["aot_autograd"]["total"],
         "inductor_compiles": counters["inductor"]["fxgraph_cache_hit"] + counters["inductor"]["fxgraph_cache_miss"]
         + counters["inductor"]["fxgraph_cache_bypass"],
-        "isa_probes": probes[0], "stores": getattr(fn, "stores", 0), "imports_s": T_IMPORTS, "ready_s": ready}))
+        "isa_probes": probes[0], "stores": getattr(fn, "stores", 0), "imports_s": T_IMPORTS, "model_s": model_s, "ready_s": ready}))
 
 
 if __name__ == "__main__":
