@@ -791,3 +791,19 @@ def test_fold_repeat_kv_leaves_training_and_other_layouts_alone():
         qq, kv = torch.randn(2, 2, 3, 8), torch.randn(2, 2, 5, 8)
         assert_close(g(qq, kv), other(qq, kv), reduction=10)
     assert last_record().passes.get("fold_repeat_kv", 0) == 0
+
+
+def test_fold_repeat_kv_on_a_dynamic_batch_adds_no_guard():
+    """Symbolic batch and length: the pass compares sizes without specialising them (one
+    graph serves every size) and still fires."""
+    def fn(q, kv_k, kv_v):
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, _GQA.repeat_kv(kv_k, 2), _GQA.repeat_kv(kv_v, 2))
+
+    f = torch.compile(fn, backend=graphgear.get_backend(eager_config()), dynamic=True)
+    with torch.no_grad():
+        for b, n in [(3, 5), (6, 7), (5, 4)]:  # no size equal to the 2 KV heads (duck sizing)
+            q, k, v = torch.randn(b, 4, 1, 8), torch.randn(b, 2, n, 8), torch.randn(b, 2, n, 8)
+            assert_close(f(q, k, v), fn(q, k, v), reduction=n)
+    recs = graphgear.stats().graphs
+    assert len(recs) == 1 and recs[0].passes.get("fold_repeat_kv") == 1

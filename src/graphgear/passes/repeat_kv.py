@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from ..shapes import known_equal
 from .manager import GraphPass, node_val
 
 aten = torch.ops.aten
@@ -64,7 +65,9 @@ def _repeated_source(node: Any) -> tuple[fx.Node, int] | None:
     r = wide.shape[2]
     if not isinstance(r, int) or r < 2:
         return None
-    if list(wide.shape) != [b, heads, r, length, dim] or list(out.shape) != [b, heads * r, length, dim]:
+    # sizes may be symbolic (a dynamic batch or length): compared without adding guards
+    if not known_equal(wide.shape, (b, heads, r, length, dim)) or \
+            not known_equal(out.shape, (b, heads * r, length, dim)):
         return None
     return src, r
 
@@ -86,7 +89,7 @@ class FoldRepeatKV(GraphPass):
             if k is None or v is None or k[1] != v[1]:
                 continue
             kv_k, kv_v = node_val(k[0]), node_val(v[0])
-            if kv_k.shape[1] != kv_v.shape[1] or kv_k.device.type != "cpu":
+            if not known_equal(kv_k.shape[1], kv_v.shape[1]) or kv_k.device.type != "cpu":
                 continue
             node.args = (node.args[0], k[0], v[0], *node.args[3:])
             changed += 1
