@@ -760,15 +760,19 @@ def inductor_config_digest() -> str:
 def inductor_vec_isa_if_known() -> str | None:
     """The CPU vector ISA Inductor picked in this process (``str(pick_vec_isa())``, e.g.
     ``"avx512"``), or None when it has not probed yet (``valid_vec_isa_list`` not cached)
-    or this is not an x86 CPU. Checked on 2.13 (``torch._inductor.cpu_vec_isa``, 2.11 to
-    2.14)."""
+    or this is not an x86 CPU. Checked on 2.13 (``torch._inductor.cpu_vec_isa``); other
+    versions not checked: if the names moved, this raises and the caller records None."""
     import platform
 
-    from torch._inductor import cpu_vec_isa
+    try:
+        from torch._inductor import cpu_vec_isa
 
-    if platform.machine() not in ("x86_64", "AMD64") or cpu_vec_isa.valid_vec_isa_list.cache_info().currsize == 0:
+        if platform.machine() not in ("x86_64", "AMD64") or cpu_vec_isa.valid_vec_isa_list.cache_info().currsize == 0:
+            return None
+        return str(cpu_vec_isa.pick_vec_isa())
+    except (ImportError, AttributeError) as e:  # another torch: record nothing
+        log.debug("graphgear: cannot read Inductor's vector ISA (%s)", e)
         return None
-    return str(cpu_vec_isa.pick_vec_isa())
 
 
 def adopt_vec_isa(recorded: str | None) -> bool:
@@ -785,7 +789,16 @@ def adopt_vec_isa(recorded: str | None) -> bool:
     run) and must come out as ``recorded``. Nothing changes when Inductor already probed,
     when ``ATEN_CPU_CAPABILITY``, ``cpp.simdlen`` or ``cpp.vec_isa_ok`` steer it, or on
     other CPUs. Checked on 2.13 (``x86_isa_checker``, ``supported_vec_isa_list``,
-    ``valid_vec_isa_list``; 2.11 to 2.14)."""
+    ``valid_vec_isa_list``); other versions not checked: if the names moved, False
+    (Inductor probes as usual)."""
+    try:
+        return _adopt_vec_isa(recorded)
+    except (ImportError, AttributeError) as e:  # another torch: Inductor probes as usual
+        log.debug("graphgear: cannot hand Inductor a recorded vector ISA (%s)", e)
+        return False
+
+
+def _adopt_vec_isa(recorded: str | None) -> bool:
     import os
     import platform
 
