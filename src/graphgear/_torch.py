@@ -80,6 +80,8 @@ from torch.utils import _pytree as pytree
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "adopt_vec_isa",
+    "inductor_vec_isa_if_known",
     "serializable_guard_filter",
     "changed_traced_sources",
     "inductor_config_digest",
@@ -743,8 +745,6 @@ def autograd_cache_off() -> contextlib.AbstractContextManager[Any]:
     )
 
 
-
-
 def inductor_config_digest() -> str:
     """A sha256 of Inductor's settings (``torch._inductor.config.save_config_portable()``,
     the part of its config Inductor's own FX graph cache keys on; checked on 2.13): the
@@ -761,13 +761,11 @@ def inductor_vec_isa_if_known() -> str | None:
     """The CPU vector ISA Inductor picked in this process (``str(pick_vec_isa())``, e.g.
     ``"avx512"``), or None when it has not probed yet (``valid_vec_isa_list`` not cached)
     or this is not an x86 CPU. Checked on 2.13 (``torch._inductor.cpu_vec_isa``); other
-    versions not checked: if the names moved, this raises and the caller records None."""
-    import platform
-
+    versions not checked: if the names moved, None."""
     try:
         from torch._inductor import cpu_vec_isa
 
-        if platform.machine() not in ("x86_64", "AMD64") or cpu_vec_isa.valid_vec_isa_list.cache_info().currsize == 0:
+        if not _x86() or not _isa_probed(cpu_vec_isa):
             return None
         return str(cpu_vec_isa.pick_vec_isa())
     except (ImportError, AttributeError) as e:  # another torch: record nothing
@@ -798,16 +796,26 @@ def adopt_vec_isa(recorded: str | None) -> bool:
         return False
 
 
+def _x86() -> bool:
+    import platform
+
+    return platform.machine() in ("x86_64", "AMD64")
+
+
+def _isa_probed(cpu_vec_isa: Any) -> bool:
+    """Whether Inductor already computed its vector-ISA list in this process."""
+    return bool(cpu_vec_isa.valid_vec_isa_list.cache_info().currsize)
+
+
 def _adopt_vec_isa(recorded: str | None) -> bool:
     import os
-    import platform
 
     import torch._inductor.config as inductor_config
     from torch._inductor import cpu_vec_isa
 
-    if (not recorded or platform.machine() not in ("x86_64", "AMD64") or os.environ.get("ATEN_CPU_CAPABILITY")
+    if (not recorded or not _x86() or os.environ.get("ATEN_CPU_CAPABILITY")
             or inductor_config.cpp.simdlen is not None or inductor_config.cpp.vec_isa_ok is not None
-            or cpu_vec_isa.valid_vec_isa_list.cache_info().currsize):
+            or _isa_probed(cpu_vec_isa)):
         return False
     flags = cpu_vec_isa.x86_isa_checker()
     candidates = [isa for isa in cpu_vec_isa.supported_vec_isa_list if all(f in flags for f in str(isa).split())]
@@ -856,9 +864,6 @@ def serializable_guard_filter(unpicklable_free: Sequence[str] = ()) -> Callable[
         return [keep(g) for g in entries]
 
     return guard_filter
-
-
-
 
 
 def changed_traced_sources(compiled: Any) -> list[str]:

@@ -302,18 +302,22 @@ def _by_name(obj: Any) -> bool:
     return target is obj
 
 
-def _unpicklable_free(func: Any) -> list[str]:
-    """The free variables of ``func`` holding functions pickle cannot store by name."""
-    code = getattr(func, "__code__", None)
-    out = []
-    for name, cell in zip(getattr(code, "co_freevars", ()), getattr(func, "__closure__", None) or ()):
+def _closure_functions(func: Any) -> Iterator[tuple[int, str, Any]]:
+    """``(cell index, free variable name, function)`` for each closure cell of ``func``
+    that holds a function (empty cells skipped)."""
+    names = getattr(getattr(func, "__code__", None), "co_freevars", ())
+    for i, cell in enumerate(getattr(func, "__closure__", None) or ()):
         try:
             v = cell.cell_contents
-        except ValueError:
+        except ValueError:  # an empty cell
             continue
-        if inspect.isfunction(v) and not _by_name(v):
-            out.append(name)
-    return out
+        if inspect.isfunction(v):
+            yield i, names[i] if i < len(names) else "", v
+
+
+def _unpicklable_free(func: Any) -> list[str]:
+    """The free variables of ``func`` holding functions pickle cannot store by name."""
+    return [name for _, name, v in _closure_functions(func) if not _by_name(v)]
 
 
 def _closure_objects(func: Any) -> dict[str, Any]:
@@ -324,16 +328,11 @@ def _closure_objects(func: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
 
     def walk(f: Any, path: str, depth: int) -> None:
-        for i, cell in enumerate(getattr(f, "__closure__", None) or ()):
-            try:
-                v = cell.cell_contents
-            except ValueError:  # an empty cell
-                continue
-            if inspect.isfunction(v):
-                if not _by_name(v):
-                    out[f"{path}.{i}"] = v
-                if depth < 4:
-                    walk(v, f"{path}.{i}", depth + 1)
+        for i, _, v in _closure_functions(f):
+            if not _by_name(v):
+                out[f"{path}.{i}"] = v
+            if depth < 4:
+                walk(v, f"{path}.{i}", depth + 1)
 
     walk(func, "closure", 0)
     return out
@@ -423,6 +422,16 @@ def _caching_backend(config: CompilerConfig, key: str) -> Callable[..., Any]:
 
 
 # --------------------------------------------------------------------------- entry files
+
+
+@dataclasses.dataclass
+class _Stored:
+    """What a key's entry file holds of the compiled function: its path (None: not
+    written), the backend's graph, and that graph's ``version()`` when last written."""
+
+    path: str | None
+    graph: _CachedGraph
+    version: int
 
 
 @dataclasses.dataclass
@@ -561,8 +570,7 @@ class CachedFunction:
         self.rank = rank
         self._loaded: dict[str, Any] = {}  # key -> AOTCompiledFunction, or the fallback
         self._keys: dict[Any, tuple[str, dict[str, str]]] = {}  # call signature -> key
-        # key -> (entry path or None, the backend's _CachedGraph, its version when stored)
-        self._stored: dict[str, list[Any]] = {}
+        self._stored: dict[str, _Stored] = {}
         self.stores = 0  # entry files written by this object (tests: not one per step)
         self._fallback: Any = None
         self._warned = False
@@ -591,7 +599,7 @@ class CachedFunction:
             return self._run_uncached(key, args, kwargs)
         out = self._call(compiled, args, kwargs)
         stored = self._stored.get(key)
-        if stored is not None and stored[0] is not None and stored[1].version() != stored[2]:
+        if stored is not None and stored.path is not None and stored.graph.version() != stored.version:
             self._store(compiled, key, parts, stored)  # it compiled a key it did not hold
         return out
 
@@ -648,7 +656,7 @@ class CachedFunction:
                 for rec in records_since(n0):
                     rec.cache, rec.cache_load_seconds = "hit", seconds
                 log.info("graphgear cache: loaded %s in %.2f s", path, seconds)
-                self._stored[key] = [path, graph, graph.version()]
+                self._stored[key] = _Stored(path, graph, graph.version())
                 return compiled
         else:
             self._log_miss(folder, parts)
@@ -686,18 +694,18 @@ class CachedFunction:
                                      options={"guard_filter_fn": serializable_guard_filter(_unpicklable_free(self._func))},
                                      ).aot_compile((call_args, kwargs))
         compiled.disable_guard_check()  # __call__ checks them first, once
-        stored = self._stored[key] = [path, aot_compiled_backend_result(compiled), -1]
+        stored = self._stored[key] = _Stored(path, aot_compiled_backend_result(compiled), -1)
         status = "stored" if path is not None and self._store(compiled, key, parts, stored) else "miss"
         for rec in records_since(n0):
             rec.cache = status
         return compiled
 
-    def _store(self, compiled: Any, key: str, parts: dict[str, str], stored: list[Any]) -> bool:
+    def _store(self, compiled: Any, key: str, parts: dict[str, str], stored: _Stored) -> bool:
         """Write the entry (after a compile, and again after a call that compiled a graph
         key the entry did not hold: at most once per new key, never per step)."""
-        path, graph = stored[0], stored[1]
-        version = graph.version()
-        stored[2] = version
+        path = stored.path
+        assert path is not None
+        version = stored.version = stored.graph.version()
         try:
             payload = type(compiled).serialize(compiled, _closure_objects(self._func)).serialized_data
             _write_entry(path, _name_of(self.fn), key, parts, payload)

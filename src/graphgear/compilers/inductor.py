@@ -206,8 +206,7 @@ def compile_static(
         keep = _freeze_inputs(dgm, args, params)
         fakes = [fakes[i] for i in keep]
         static = [keep.index(i) for i in static if i in keep]
-        if all(not isinstance(a, torch.Tensor) or a.device.type == "cpu" for a in args):
-            pack_frozen_linears(dgm)
+        pack_frozen_linears(dgm)  # frozen is CPU-only; it packs CPU fp32 weights only
         if dgm.graph.find_nodes(op="call_function", target=torch.ops.aten.mm.default) or \
                 dgm.graph.find_nodes(op="call_function", target=torch.ops.aten.addmm.default):
             patches.update(max_autotune=True, max_autotune_gemm_backends="CPP")
