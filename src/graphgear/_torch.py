@@ -84,6 +84,7 @@ __all__ = [
     "inductor_vec_isa_if_known",
     "serializable_guard_filter",
     "changed_traced_sources",
+    "compile_session",
     "inductor_config_digest",
     "inductor_output_load",
     "inductor_output_for_disk",
@@ -487,6 +488,32 @@ def inductor_compile_fx_inner(gm: torch.fx.GraphModule, example_inputs: list[Any
     from torch._inductor.compile_fx import compile_fx_inner
 
     return compile_fx_inner(gm, example_inputs, **kwargs)
+
+
+@contextlib.contextmanager
+def compile_session() -> Any:
+    """What dynamo holds around its own compiles, held around a compile graphgear makes
+    at run time (a gear built on its first call, a capture's native code): dynamo's
+    compile lock and the process-wide "a compile is running" flag.
+
+    Why: an FX trace (``make_fx``, and Inductor's pattern matcher, which traces
+    replacements) patches ``torch.nn.Module.__call__`` process-wide and sets FX's global
+    tracing flag; a compiled module called meanwhile from another thread is refused by
+    dynamo ("Detected that you are using FX to symbolically trace a dynamo-optimized
+    function") unless the compile flag is set, and two traces at once corrupt each
+    other's patches (FX asserts ``CURRENT_PATCHER is None``). Under the lock a run-time
+    compile waits for dynamo's compiles and theirs for it; under the flag another
+    thread's call passes dynamo's check and waits at the lock or the engine's own.
+
+    ``torch._dynamo.convert_frame.compile_lock`` (an ``RLock``; 2.11 to 2.14) and
+    ``torch.compiler._compile_session_context`` (dynamo's ``compile_inner`` enters it;
+    checked on 2.13): if the latter is missing only the lock is held, and a compiled
+    module called from another thread during the compile may be refused as before."""
+    from torch._dynamo.convert_frame import compile_lock
+
+    session = getattr(torch.compiler, "_compile_session_context", None)
+    with compile_lock, (session() if session is not None else contextlib.nullcontext()):
+        yield
 
 
 def inductor_config_patch(**changes: Any) -> Any:

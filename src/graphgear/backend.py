@@ -35,6 +35,7 @@ from ._torch import (
     aot_module_simplified,
     aot_partition_fn,
     backend_compiler_failed,
+    compile_session,
     fake_mode_of,
     has_dynamo_graph_arg,
     make_fx_allowing_real_inputs,
@@ -77,7 +78,10 @@ def _wrap_compiler(compiler: Callable[..., Any], config: CompilerConfig):  # typ
 
     @functools.wraps(compiler)
     def joint_compiler(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
-        return compiler(gm, example_inputs, stage="backward")
+        # AOTAutograd compiles the backward at the first backward call, outside dynamo's
+        # compile: hold what dynamo holds (as Inductor's own backward compiler does)
+        with compile_session():
+            return compiler(gm, example_inputs, stage="backward")
 
     fw_compiler = functools.partial(wrapped_compiler, is_inference=False)
     inference_compiler = functools.partial(wrapped_compiler, is_inference=True)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from ._torch import boxed_convention
+from ._torch import boxed_convention, compile_session
 from .errors import GearError
 from .gears import GearPlan
 from .shapes import ShapeInfo
@@ -82,7 +82,9 @@ class GearedGraph:
     def _get(self, key: tuple[int, ...]) -> Callable[..., Any]:
         fn = self.compiled.get(key)
         if fn is None:
-            with self._lock:
+            # a run-time compile holds what dynamo holds around its own (see
+            # ``compile_session``): other threads' calls wait instead of being refused
+            with compile_session(), self._lock:
                 fn = self.compiled.get(key)
                 if fn is None:
                     fn = self.build(key)

@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import fx
 
-from .._torch import StorageWeakRef, boxed_convention, has_internal_overlap
+from .._torch import StorageWeakRef, boxed_convention, compile_session, has_internal_overlap
 from ..dispatch import precompiling
 from ..errors import CaptureError
 from ..stats import register_release
@@ -303,7 +303,8 @@ class CaptureEngine:
 
     def _executor_for(self, args: list[Any]) -> Any:
         if self._executor is None:
-            with self._lock:
+            # dynamo's compile lock first, then this engine's (the order dispatch uses)
+            with compile_session(), self._lock:
                 if self._executor is None:
                     self._executor = self._compile(args)
         return self._executor
