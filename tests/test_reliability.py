@@ -17,6 +17,7 @@ import time
 import traceback
 import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -393,6 +394,88 @@ def test_item5_threads_training_from_a_cold_start_get_their_own_gradients(mode: 
     assert not any(t.is_alive() for t in threads), "a thread hung"
     assert not errors, errors[:4]
 
+
+
+def _release_from_another_thread(engine: Any) -> None:
+    t = threading.Thread(target=engine.release)
+    t.start()
+    t.join()
+
+
+@pytest.mark.parametrize("moment", ["before-replay", "during-replay", "during-capture"])
+def test_item2_release_from_another_thread_mid_call_keeps_results_right(
+        moment: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """graphgear's part of ``reset()`` (an engine's ``release()``: its captures and its
+    pool) run by another thread at three moments inside a call: the call returns the
+    right values, raises nothing, and its output keeps its memory after the released
+    arena is gone. Found by probing with ``graphgear.reset()`` in a loop beside a
+    calling thread: outputs handed out into a pool released meanwhile lost their memory
+    (values like 1e36), captures failed with IndexError.
+
+    Interleavings are forced (the release runs, to its end, in a thread of its own at
+    that moment) rather than raced. ``graphgear.reset()`` itself is not raced here: it
+    calls ``torch.compiler.reset()``, which crashes the process when another thread
+    runs any compiled function (torch 2.13, every backend, ``eager`` included)."""
+    torch.manual_seed(0)
+    net = PadNet().eval()
+    f = torch.compile(net, backend=_ro())
+    x = torch.randn(4, 8)
+    with torch.inference_mode():
+        want = net(x)
+        f(x)  # warm-up
+        if moment != "during-capture":
+            f(x)  # captured
+    (engine,) = [o for o in gc.get_objects()
+                 if type(o) is graphgear.capture.CaptureEngine and o.record is _rec()]
+    fired = []
+
+    def once() -> None:
+        if not fired:
+            fired.append(True)
+            _release_from_another_thread(engine)
+
+    if moment == "before-replay":  # between the entry's lookup and its replay
+        orig_inv = MemoryPool.invalidate
+
+        def invalidate(self: MemoryPool, *a: Any, **k: Any) -> int:
+            once()
+            return orig_inv(self, *a, **k)
+
+        monkeypatch.setattr(MemoryPool, "invalidate", invalidate)
+    elif moment == "during-replay":  # the replay has read its record
+        orig_replay = CPUGraph.replay
+
+        def replay(self: CPUGraph) -> Any:
+            run = self.executor.run
+            self.executor.run = lambda a: (once(), run(a))[1]
+            try:
+                return orig_replay(self)
+            finally:
+                self.executor.run = run
+
+        monkeypatch.setattr(CPUGraph, "replay", replay)
+    else:  # the capture has taken its first block, not yet noted its buffer there
+        orig_block = MemoryPool.block
+
+        def block(self: MemoryPool, *a: Any, **k: Any) -> torch.UntypedStorage:
+            blk = orig_block(self, *a, **k)
+            once()
+            return blk
+
+        monkeypatch.setattr(MemoryPool, "block", block)
+    with torch.inference_mode(), warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "could not capture" either
+        y = f(x)
+    assert fired
+    monkeypatch.undo()
+    gc.collect()
+    junk = _churn(y.numel() * 4)
+    assert torch.allclose(y, want, atol=1e-5, rtol=1e-4), (y - want).abs().max()
+    del junk
+    with torch.inference_mode():  # and the engine captures again afterwards
+        for _ in range(3):
+            assert torch.allclose(f(x), want, atol=1e-5, rtol=1e-4)
+    assert engine.entries and all(e.graph is not None for e in engine.entries.values())
 
 
 class _Boom(RuntimeError):

@@ -152,6 +152,13 @@ def reset() -> None:
 
     Functions compiled before keep working: dynamo's caches are cleared too, so their
     next call compiles again.
+
+    Call it while no other thread is calling a compiled function: it calls
+    ``torch.compiler.reset()``, which can crash the process (a segmentation fault in
+    dynamo's frame evaluation) when another thread runs any ``torch.compile``d function
+    meanwhile, with every backend (measured on torch 2.13 with ``backend="eager"``).
+    graphgear's own part is safe from any thread: a call in flight elsewhere completes
+    with the right values (see ``capture.engine``).
     """
     global _counter
     with _lock:

@@ -144,6 +144,7 @@ class CPUGraph:
         self.native = executor.native
         self._out_copy: list[tuple[int, torch.Tensor]] = []
         self.nbytes = 0
+        self.released = False
 
     # ---- capture -------------------------------------------------------------------
     def capture(self, args: list[Any]) -> list[Any]:
@@ -175,13 +176,15 @@ class CPUGraph:
         if slot is None:
             return list(ex.run(list(self.args)))
         self.record = []
-        pool, record = self.pool, self.record
+        # one arena for the whole capture: graphgear.reset() in another thread may
+        # release the pool meanwhile; this capture then completes in its own memory
+        pool, record, arena = self.pool, self.record, self.pool.arena()
 
         def recording_alloc(size: Sequence[int], stride: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
             n = nbytes_of(size, stride, dtype)
-            blk = pool.block(len(record), n, self.device)
+            blk = pool.block(len(record), n, self.device, arena)
             t = torch.empty((), dtype=dtype).set_(blk, 0, tuple(size), tuple(stride))
-            pool.register(len(record), t)
+            pool.register(len(record), t, arena)
             record.append(t)
             return t
 
@@ -198,25 +201,33 @@ class CPUGraph:
         self.args[i] = t
 
     # ---- replay --------------------------------------------------------------------
-    def replay(self) -> list[Any]:
-        """Run the record on the static buffers; returns the static outputs."""
+    def replay(self) -> list[Any] | None:
+        """Run the record on the static buffers; returns the static outputs, or None
+        when :meth:`release` (``graphgear.reset()`` in another thread) came first.
+
+        The bound inputs, the record and the output copies are read once: a release
+        meanwhile replaces them (it never empties them in place), so this replay runs
+        whole on what it read, in memory its record keeps alive."""
+        args, record, out_copy = self.args, self.record, self._out_copy
+        if self.released:
+            return None
         ex = self.executor
         slot = ex.slot
         if slot is None:
-            outs = list(ex.run(list(self.args)))
+            outs = list(ex.run(list(args)))
         else:
-            it = iter(self.record)
+            it = iter(record)
             nxt = it.__next__
             slot.fn = lambda size, stride, dtype: nxt()
             try:
-                outs = list(ex.run(list(self.args)))
+                outs = list(ex.run(list(args)))
             except StopIteration as e:
                 raise RuntimeError(self._diverged()) from e
             finally:
                 slot.fn = None
             if next(it, None) is not None:
                 raise RuntimeError(self._diverged())
-        for i, static in self._out_copy:
+        for i, static in out_copy:
             static.copy_(outs[i])
             outs[i] = static
         return outs
@@ -228,6 +239,9 @@ class CPUGraph:
                 f"with debug.run_eagerly=True to work around it.")
 
     def release(self) -> None:
+        """Drop the record and the bound inputs (replaced, not emptied in place: see
+        :meth:`replay`)."""
+        self.released = True
         self.args = []
         self.record = []
         self._out_copy = []

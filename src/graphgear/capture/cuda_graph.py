@@ -72,6 +72,7 @@ class CUDAGraph:
         self.outputs: list[Any] = []
         self.graph: Any = None
         self.nbytes = 0
+        self.released = False
 
     def _mod(self) -> Any:
         return torch.cuda
@@ -113,11 +114,16 @@ class CUDAGraph:
     def _graph_ctx(self, graph: Any, pool: Any, stream: Any) -> Any:
         return torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local")
 
-    def replay(self) -> list[Any]:
-        self.graph.replay()
-        return list(self.outputs)
+    def replay(self) -> list[Any] | None:
+        """Replay; None when :meth:`release` came first (another thread's reset)."""
+        graph, outputs = self.graph, self.outputs
+        if self.released or graph is None:
+            return None
+        graph.replay()
+        return list(outputs)
 
     def release(self) -> None:
+        self.released = True
         if self.graph is not None:
             self.graph.reset()
         self.graph = None

@@ -37,8 +37,15 @@ captured graphs of that graph and applies the rules of DESIGN.md:
 
 The device graph itself (CPU, CUDA, NPU) is a small class with ``capture(args)``,
 ``replay()``, ``release()``, ``nbytes``, ``args`` (the bound inputs), and the flags
-``runs_at_capture`` and ``rebindable``; the compiled code it runs (its executor) is made
-once per engine.
+``runs_at_capture``, ``rebindable`` and ``released``; the compiled code it runs (its
+executor) is made once per engine.
+
+**reset from another thread** (``graphgear.reset()`` while a thread is inside a call):
+the call completes correctly. A replay whose graph was released before it ran runs the
+graph uncaptured (``replay()`` returns None); one already running completes on what it
+read; a capture completes in its thread's old arena; an output handed out into a
+released arena keeps its memory until it dies (the arena hands it to
+``liveness.KEEPER``), and nothing writes that memory again.
 """
 
 from __future__ import annotations
@@ -244,6 +251,8 @@ class CaptureEngine:
                 return self._warmup(args)
             return self._capture(e, args)
         bound = g.args
+        if g.released:  # graphgear.reset() in another thread since the lookup
+            return self._run_released(args)
         if e.bound_refs and any(r.expired() for r in e.bound_refs):
             # a new tensor at the address a dead one was captured with: it is this
             # capture's now (the graph writes that address), not a dead capture
@@ -262,8 +271,16 @@ class CaptureEngine:
             bound[i].copy_(args[i])
         self.pool.invalidate(self._stale, arena)
         outs = g.replay()
+        if outs is None:
+            return self._run_released(args)
         self.record.replays += 1
         return self._hand_out(e, outs, arena)
+
+    def _run_released(self, args: list[Any]) -> list[Any]:
+        """This call's capture was released by another thread (``graphgear.reset()``)
+        between its lookup and its replay: run the graph uncaptured, once."""
+        self.record.uncaptured_runs += 1
+        return list(self.gm(*args))
 
     def _stage_fed_back(self, args: list[Any]) -> None:
         """An input used in place that is a live output of this pool (an output fed back

@@ -45,6 +45,10 @@ _RESET_MSG = (
 )
 
 
+def _keep_at_end(kept: list[liveness.Handout], handed: list[liveness.Handout]) -> None:
+    liveness.KEEPER.hold(kept + [h for h in handed if not h.ref.expired()])
+
+
 class Arena:
     """One thread's memory in a :class:`MemoryPool`."""
 
@@ -56,7 +60,10 @@ class Arena:
         # poisoned hand-outs still alive: their owners keep the memory a NumPy array
         # taken earlier may point at; pruned as they die, given to KEEPER at the end
         self.kept: list[liveness.Handout] = []
-        weakref.finalize(self, liveness.KEEPER.hold, self.kept)
+        # at its end, what it still holds goes to KEEPER: poisoned hand-outs, and ones a
+        # call in flight handed out after the pool released it (graphgear.reset() from
+        # another thread), which stay valid: no replay writes a released arena again
+        weakref.finalize(self, _keep_at_end, self.kept, self.handed)
         self.nbytes = 0
 
     def prune_kept(self) -> None:
@@ -119,15 +126,18 @@ class MemoryPool:
         self.arena().nbytes += nbytes
 
     # ---- CPU arena blocks --------------------------------------------------------
-    def block(self, index: int, nbytes: int, device: torch.device) -> torch.UntypedStorage:
-        """Block ``index`` of the calling thread's arena, at least ``nbytes`` long.
+    def block(self, index: int, nbytes: int, device: torch.device, arena: Arena | None = None
+              ) -> torch.UntypedStorage:
+        """Block ``index`` of the calling thread's arena (``arena``: the one a capture
+        started in, so that a :meth:`release` from another thread meanwhile leaves the
+        capture whole in its own), at least ``nbytes`` long.
 
         A block too small for a new capture is replaced by a larger one, and the buffers
         of earlier captures on it move to the new block (see :meth:`register`). Outputs
         handed out over the old block were poisoned before this capture started; the old
         block itself lives on while any of them can still reach it (``liveness.KEEPER``).
         """
-        a = self.arena()
+        a = arena or self.arena()
         nbytes = max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
         while len(a.blocks) <= index:
             a.blocks.append(torch.UntypedStorage(0, device=device))
@@ -146,9 +156,10 @@ class MemoryPool:
             a.blocks[index] = blk = new
         return blk
 
-    def register(self, index: int, t: torch.Tensor) -> None:
-        """Note that ``t`` lives on block ``index``, so that growing the block moves it."""
-        self.arena().views[index].append(weakref.ref(t))
+    def register(self, index: int, t: torch.Tensor, arena: Arena | None = None) -> None:
+        """Note that ``t`` lives on block ``index`` (of ``arena``, as :meth:`block`), so
+        that growing the block moves it."""
+        (arena or self.arena()).views[index].append(weakref.ref(t))
 
     @property
     def nbytes(self) -> int:
@@ -173,7 +184,8 @@ class MemoryPool:
         a = arena or self.arena()
         if not a.handed:
             return 0
-        handed, a.handed = a.handed, []
+        handed = a.handed[:]  # emptied in place: the arena's finalizer holds the list
+        a.handed.clear()
         poison = liveness.poisoner()
         if poison is None:
             return 0
@@ -181,15 +193,16 @@ class MemoryPool:
         return liveness.poison_all(handed, msg, poison, a.kept)
 
     def _release_arena(self, a: Arena) -> None:
-        handed, a.handed = a.handed, []
+        handed = a.handed[:]
+        a.handed.clear()
         poison = liveness.poisoner() if handed else None
         if poison is not None:
             liveness.poison_all(handed, _RESET_MSG, poison, a.kept)
         kept, a.kept[:] = list(a.kept), []
         liveness.KEEPER.hold(kept)
-        a.blocks.clear()
-        a.views.clear()
-        a.nbytes = 0
+        # The arena is out of the pool now; its blocks are freed with it, when the last
+        # user lets go: a capture another thread is making in it (graphgear.reset() from
+        # one thread while another captures) completes whole, its buffers its own.
 
     def release(self) -> None:
         """Poison every handed-out output of every thread and drop the memory (what a
