@@ -505,6 +505,38 @@ def test_item7_failed_capture_mutates_inputs_exactly_once(monkeypatch: pytest.Mo
 
 
 @torch.no_grad()
+def test_item7_interrupt_mid_capture_leaves_inputs_and_slots_as_they_were(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C (KeyboardInterrupt) after the capture's run wrote the cache: it reaches
+    the caller, the cache is as passed, the capture slot is free again (capture_limit=1
+    still lets the next call capture) and the next call captures and is right."""
+    real = CPUGraph.capture
+    hits = []
+
+    def interrupted(self, args):  # type: ignore[no-untyped-def]
+        outs = real(self, args)
+        if not hits:
+            hits.append(1)
+            raise KeyboardInterrupt
+        return outs
+
+    monkeypatch.setattr(CPUGraph, "capture", interrupted)
+    net = AddCache()
+    f = torch.compile(net, backend=_ro(warmup_iters=0, capture_limit=1))
+    x = torch.randn(1, 8)
+    cache, ref_cache = torch.zeros(1, 8), torch.zeros(1, 8)
+    with pytest.raises(KeyboardInterrupt):
+        f(x, cache)
+    assert_close(cache, ref_cache, reduction=64)  # not written
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "capture_limit reached"
+        out = f(x, cache)
+    assert_close(out, net(x, ref_cache), reduction=64)
+    assert_close(cache, ref_cache, reduction=64)
+    assert _rec().captures == 1 and not _rec().fallbacks
+
+
+@torch.no_grad()
 def test_item7_failed_capture_with_raise_leaves_inputs_unchanged(monkeypatch: pytest.MonkeyPatch) -> None:
     real = CPUGraph.capture
 

@@ -400,12 +400,16 @@ class CaptureEngine:
             outs = graph.capture(bound)
             if outs is None:
                 outs = graph.replay()
-        except Exception as ex:
+        except BaseException as ex:
             graph.release()
             with self.group.lock:
                 self.group.captures -= 1
             for i, saved in snapshot.items():  # undo what the failed run wrote
                 args[i].copy_(saved)
+            if not isinstance(ex, Exception):
+                # KeyboardInterrupt, SystemExit: the inputs are as passed, the slot is
+                # free, the next call captures again
+                raise
             return self._capture_failed(e, args, ex, ran=graph.runs_at_capture)
         self.pool.add_bytes(nbytes)
         e.graph = graph
