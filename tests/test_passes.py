@@ -807,3 +807,97 @@ def test_fold_repeat_kv_on_a_dynamic_batch_adds_no_guard():
             assert_close(f(q, k, v), fn(q, k, v), reduction=n)
     recs = graphgear.stats().graphs
     assert len(recs) == 1 and recs[0].passes.get("fold_repeat_kv") == 1
+
+
+# ---------------------------------------------------------------- decode_attention
+
+
+@pytest.mark.parametrize("mode", ["eager", "reduce-overhead", "max-autotune"])
+def test_decode_attention_in_inference_equals_eager(mode):
+    """A one-query CPU attention (after fold_repeat_kv: grouped heads, a boolean mask
+    over a static cache) is written out for Inductor where Inductor compiles (not in
+    eager mode), and every step's output and cache write equal eager's."""
+    torch.manual_seed(0)
+    model = _GQA(batch=3)
+    ref = copy.deepcopy(model)
+    cfg = eager_config() if mode == "eager" else graphgear.CompilerConfig()
+    if mode != "eager":
+        cfg.mode = mode
+    f = torch.compile(model, backend=graphgear.get_backend(cfg))
+    with torch.no_grad():
+        for p in range(4):
+            x, k, v = torch.randn(3, 1, 8), torch.randn(3, 2, 1, 8), torch.randn(3, 2, 1, 8)
+            pos = torch.tensor([p])
+            assert_close(f(x, k, v, pos), ref(x, k, v, pos), reduction=16)
+    assert_close(model.k_cache, ref.k_cache, reduction=1)
+    assert_close(model.v_cache, ref.v_cache, reduction=1)
+    assert last_record().passes.get("decode_attention", 0) == (0 if mode == "eager" else 1)
+
+
+def _flash(q, k, v, mask, scale=None):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask, scale=scale)[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_matches_the_flash_kernel_masked_rows_and_scale(dtype):
+    """Against the kernel it replaces: a float mask with a fully masked batch row
+    (zeros, not NaN), a custom scale, grouped heads, and bfloat16 (computed in float32)."""
+    torch.manual_seed(0)
+    q = torch.randn(3, 6, 1, 16, dtype=dtype)
+    k, v = torch.randn(3, 2, 20, 16, dtype=dtype), torch.randn(3, 2, 20, 16, dtype=dtype)
+    mask = torch.zeros(3, 1, 1, 20, dtype=dtype)
+    mask[0, ..., 7:] = float("-inf")
+    mask[1] = float("-inf")  # batch row 1 sees no key
+
+    def fn(q, k, v, mask):
+        return _flash(q, k, v, mask, scale=0.3) * 2
+
+    cfg = graphgear.CompilerConfig()
+    cfg.mode = "reduce-overhead"
+    f = torch.compile(fn, backend=graphgear.get_backend(cfg))
+    with torch.no_grad():
+        want = fn(q, k, v, mask)
+        for _ in range(3):
+            got = f(q, k, v, mask)
+            assert not got.isnan().any()
+            if dtype == torch.float32:
+                assert_close(got, want, reduction=20)
+            else:  # within 2 bfloat16 units in the last place of the flash kernel's result
+                torch.testing.assert_close(got.float(), want.float(), atol=1.6e-2, rtol=1.6e-2)
+    assert bool((got[1] == 0).all())
+    assert last_record().passes.get("decode_attention") == 1
+
+
+def test_decode_attention_leaves_long_contexts_causal_and_training_alone():
+    """Past MAX_MACS (long contexts: the flash kernel's blocked products win), with
+    is_causal, and where the log-sum-exp is used (a training forward): not rewritten;
+    results and gradients equal eager's."""
+    from graphgear.passes.decode_attention import MAX_MACS
+
+    cfg = graphgear.CompilerConfig()
+    cfg.mode = "max-autotune"
+    length = MAX_MACS // (2 * 4 * 8) + 1  # batch 2, 4 heads of 8: one key past the limit
+    q, k, v = torch.randn(2, 4, 1, 8), torch.randn(2, 4, length, 8), torch.randn(2, 4, length, 8)
+
+    def long(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    def causal(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    for fn, args in [(long, (q, k, v)), (causal, (q, k[:, :, :5], v[:, :, :5]))]:
+        graphgear.reset()
+        torch._dynamo.reset()
+        f = torch.compile(fn, backend=graphgear.get_backend(cfg))
+        with torch.no_grad():
+            assert_close(f(*args), fn(*args), reduction=64)
+        assert last_record().passes.get("decode_attention", 0) == 0, fn.__name__
+    graphgear.reset()
+    torch._dynamo.reset()
+    qt, kt, vt = (torch.randn(2, 4, 1, 8, requires_grad=True) for _ in range(3))
+    f = torch.compile(long, backend=graphgear.get_backend(cfg))
+    got = torch.autograd.grad(f(qt, kt, vt).sum(), (qt, kt, vt))
+    want = torch.autograd.grad(long(qt, kt, vt).sum(), (qt, kt, vt))
+    for a, b in zip(got, want):
+        assert_close(a, b, reduction=8)
+    assert all(r.passes.get("decode_attention", 0) == 0 for r in graphgear.stats().graphs)

@@ -3,6 +3,7 @@
 ``default_passes(config)`` builds the post-grad pipeline every mode runs, in order:
 the user's pre pass, ``remove_noop_ops``, ``pattern_fusion`` (registered replacements),
 ``fold_repeat_kv`` (grouped-query attention without the repeated KV copy),
+``decode_attention`` (one-query CPU attention as generated code, where Inductor compiles),
 ``reinplace_inputs`` (in-place recovery), ``view_to_reshape``, the user's post pass.
 The joint-graph fusion passes (``experimental_config.fx_passes``) run earlier, on the
 inference graph, or on a training graph's forward before differentiation (the joint
@@ -19,6 +20,7 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
+from .decode_attention import DecodeAttention
 from .joint import joint_pass_manager
 from .manager import GraphPass, PassManager, UserPass
 from .noop import RemoveNoopOps
@@ -62,7 +64,8 @@ def default_passes(config: Any) -> list[GraphPass]:
     pre = config.experimental_config.post_grad_custom_pre_pass
     if pre is not None:
         passes.append(UserPass("post_grad_custom_pre_pass", pre))
-    passes += [RemoveNoopOps(), PatternFusion(), FoldRepeatKV(), ReinplaceInputs(), ViewToReshape()]
+    passes += [RemoveNoopOps(), PatternFusion(), FoldRepeatKV(), DecodeAttention(), ReinplaceInputs(),
+               ViewToReshape()]
     post = config.experimental_config.post_grad_custom_post_pass
     if post is not None:
         passes.append(UserPass("post_grad_custom_post_pass", post))
@@ -72,7 +75,8 @@ def default_passes(config: Any) -> list[GraphPass]:
 def pass_names() -> list[str]:
     """Names of every built-in pass, in the order they run (joint passes first)."""
     return joint_pass_manager().names() + [
-        RemoveNoopOps.name, PatternFusion.name, FoldRepeatKV.name, ReinplaceInputs.name, ViewToReshape.name,
+        RemoveNoopOps.name, PatternFusion.name, FoldRepeatKV.name, DecodeAttention.name, ReinplaceInputs.name,
+        ViewToReshape.name,
         "post_grad_custom_pre_pass", "post_grad_custom_post_pass",
     ]
 

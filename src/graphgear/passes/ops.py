@@ -144,10 +144,15 @@ def _fake_mode_of(gm: fx.GraphModule) -> Any:
     return fake_mode_of(vals)
 
 
-def inline_decompositions(gm: fx.GraphModule, table: dict[Any, Callable[..., Any]]) -> int:
-    """Replace every call of an op in ``table`` by the traced aten ops of its
-    decomposition, in place. Returns the number of calls replaced."""
-    targets = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in table]
+def inline_decompositions(gm: fx.GraphModule, table: dict[Any, Callable[..., Any]],
+                          select: Callable[[fx.Node], bool] | None = None,
+                          decompositions: dict[Any, Any] | None = None) -> int:
+    """Replace every call of an op in ``table`` (for which ``select`` holds, if given)
+    by the traced aten ops of its decomposition, in place, traced with
+    ``decompositions`` (the table the graph was made with: Inductor's takes graphs
+    without the ops it decomposes). Returns the number of calls replaced."""
+    targets = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in table
+               and (select is None or select(n))]
     if not targets:
         return 0
     fake_mode = _fake_mode_of(gm)
@@ -170,7 +175,7 @@ def inline_decompositions(gm: fx.GraphModule, table: dict[Any, Callable[..., Any
         vals = [flat[i].meta["val"] for i in node_pos]
         ctx = fake_mode if fake_mode is not None else contextlib.nullcontext()
         with ctx:
-            sub = make_fx(fn, tracing_mode="real")(*vals)
+            sub = make_fx(fn, decomposition_table=decompositions or {}, tracing_mode="real")(*vals)
         env: dict[fx.Node, Any] = {}
         placeholders = list(sub.graph.find_nodes(op="placeholder"))
         for ph, i in zip(placeholders, node_pos):

@@ -1,0 +1,137 @@
+"""Decode attention as generated code: a one-query CPU attention written out in aten
+ops Inductor fuses into its kernels, instead of a call of ATen's flash kernel.
+
+At a decode step the query has one position. ATen's CPU flash-attention kernel
+(``_scaled_dot_product_flash_attention_for_cpu``) is built for blocks of queries: for
+one query it still transposes, allocates its scratch buffers and splits work, about
+25-50 µs a call whatever the size (4 heads of 32 over 64 keys is 8 K multiply-adds), and
+it is an extern call Inductor cannot fuse with the rotary embedding before it or the
+output projection after it. Written out (scores as a product-sum over the head dim, a
+max-shifted exponent, the weighted sum over keys normalised once at the end) it becomes
+two reductions Inductor generates inline.
+
+It rewrites a CPU flash attention when
+
+* the query has one position (a static size), no dropout, ``is_causal=False`` (with one
+  query and several keys torch's causal mask would keep the first key only; transformers
+  passes a mask instead);
+* its log-sum-exp output is unused (inference; a training forward saves it);
+* the dtype is float32, bfloat16 or float16 (the latter two computed in float32, as the
+  flash kernel accumulates);
+* the attention is small: batch x heads x keys x head dim at most :data:`MAX_MACS`
+  (static sizes; short contexts, where the flash kernel's fixed cost dominates).
+
+Grouped-query attention (fewer key/value heads, as :mod:`.repeat_kv` leaves it) is kept
+grouped: query head ``h`` reads key/value head ``h // (H / KV)``. A fully masked row gives
+zeros, as the flash kernel does (not NaN). Measured on the small Qwen2 decode step of
+``benchmarks/bench_decode.py``: see :data:`MAX_MACS`.
+
+The pass runs only where Inductor compiles the graph (``max-autotune`` and the CPU graph
+of ``reduce-overhead``): run as eager aten ops the written-out form is slower than the
+flash kernel.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import fx
+
+from .._torch import inductor_decomp_table
+from ..config import mode_of
+from ..shapes import known_equal
+from .manager import GraphPass, node_val
+from .ops import inline_decompositions
+from .patterns import decomp_kind
+
+aten = torch.ops.aten
+
+__all__ = ["DecodeAttention", "decode_attention"]
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+#: The largest attention (batch x heads x keys x head dim multiply-adds) rewritten.
+#: Measured on the small Qwen2 decode step (4 heads of 64, 1 thread; served step, pass
+#: on / off, same run): batch 1 x 64 keys (16 K) 0.89, batch 4 x 64 (65 K) 0.87, batch
+#: 8 x 64 (131 K) 0.97, batch 1 x 256 (65 K) 0.98, batch 4 x 256 (262 K) 1.22. Past a
+#: few hundred keys per row the flash kernel's blocked products win; below, its fixed
+#: cost per call does.
+MAX_MACS = 131072
+
+
+def _cpu_flash() -> Any:
+    packet = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    return packet.default if packet is not None else None
+
+
+def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout_p: float = 0.0,
+                     is_causal: bool = False, *, attn_mask: torch.Tensor | None = None,
+                     scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the flash kernel returns for one query position, written out; ``[B, H, 1,
+    D]`` query, ``[B, KV, L, D]`` key and value (``H`` a multiple of ``KV``). The second
+    output (log-sum-exp) is a placeholder: the pass rewrites only calls that drop it."""
+    b, h, _, d = query.shape
+    kv, length = key.shape[1], key.shape[2]
+    g = h // kv
+    dtype = query.dtype
+    sc = scale if scale is not None else 1.0 / math.sqrt(d)
+    q = query.float().reshape(b, kv, g, 1, d)
+    k = key.float().unsqueeze(2)  # [B, KV, 1, L, D]
+    v = value.float().unsqueeze(2)
+    s = (q * k).sum(-1) * sc  # [B, KV, G, L]
+    if attn_mask is not None:
+        m = attn_mask.float().expand(b, h, 1, length).reshape(b, kv, g, length)
+        s = s + m
+    mx = s.amax(-1, keepdim=True)
+    mx = torch.where(mx == float("-inf"), torch.zeros_like(mx), mx)
+    e = torch.exp(s - mx)  # a fully masked row: all zeros
+    den = e.sum(-1, keepdim=True)
+    den = torch.where(den == 0, torch.ones_like(den), den)
+    out = (e.unsqueeze(-1) * v).sum(-2) / den  # [B, KV, G, D]
+    out = out.reshape(b, h, 1, d).to(dtype)
+    return out, query.new_empty((b, h, 1), dtype=torch.float32)
+
+
+def _fits(node: fx.Node) -> bool:
+    if len(node.args) < 3 or any(u.target is not operator.getitem or u.args[1] != 0 for u in node.users):
+        return False  # the log-sum-exp (or the whole tuple) is used: a training forward
+    dropout = node.args[3] if len(node.args) > 3 else node.kwargs.get("dropout_p", 0.0)
+    causal = node.args[4] if len(node.args) > 4 else node.kwargs.get("is_causal", False)
+    if dropout != 0.0 or causal:
+        return False
+    q, k, v = (node_val(a) for a in node.args[:3])
+    mask = node.kwargs.get("attn_mask")
+    vals = [q, k, v] + ([node_val(mask)] if isinstance(mask, fx.Node) else [])
+    if not all(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in vals):
+        return False
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or q.dtype not in _DTYPES:
+        return False
+    if not (isinstance(q.shape[2], int) and q.shape[2] == 1):
+        return False
+    heads, kv = q.shape[1], k.shape[1]
+    if not (isinstance(heads, int) and isinstance(kv, int) and kv > 0 and heads % kv == 0):
+        return False
+    if not (known_equal(k.shape, v.shape) and known_equal(q.shape[3], k.shape[3])):
+        return False
+    macs = q.shape[0] * heads * k.shape[2] * q.shape[3]
+    return isinstance(macs, int) and macs <= MAX_MACS
+
+
+class DecodeAttention(GraphPass):
+    """See the module docstring."""
+
+    name = "decode_attention"
+
+    def enabled(self, config: Any) -> bool:
+        return mode_of(config) in ("max-autotune", "reduce-overhead")
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], config: Any) -> int:
+        target = _cpu_flash()
+        if target is None:
+            return 0
+        table = inductor_decomp_table() if decomp_kind(config) == "inductor" else None
+        return inline_decompositions(gm, {target: decode_attention}, select=_fits, decompositions=table)
