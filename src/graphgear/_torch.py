@@ -507,7 +507,7 @@ def compile_session() -> Any:
 
     ``torch._dynamo.convert_frame.compile_lock`` (an ``RLock``; 2.11 to 2.14) and
     ``torch.compiler._compile_session_context`` (dynamo's ``compile_inner`` enters it;
-    checked on 2.13): if the latter is missing only the lock is held, and a compiled
+    checked on 2.13 and 2.14.1): if the latter is missing only the lock is held, and a compiled
     module called from another thread during the compile may be refused as before."""
     from torch._dynamo.convert_frame import compile_lock
 
