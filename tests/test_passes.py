@@ -838,14 +838,19 @@ def _flash(q, k, v, mask, scale=None):
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask, scale=scale)[0]
 
 
+@pytest.mark.parametrize("mask_heads", [1, 6], ids=["shared-mask", "per-head-bias"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_attention_matches_the_flash_kernel_masked_rows_and_scale(dtype):
-    """Against the kernel it replaces: a float mask with a fully masked batch row
-    (zeros, not NaN), a custom scale, grouped heads, and bfloat16 (computed in float32)."""
+def test_decode_attention_matches_the_flash_kernel_masked_rows_and_scale(dtype, mask_heads):
+    """Against the kernel it replaces: a float mask (shared by the heads, or an additive
+    bias per query head: head order across the key/value groups) with a fully masked
+    batch row (zeros, not NaN), a custom scale, grouped heads, and bfloat16 (computed in
+    float32)."""
     torch.manual_seed(0)
     q = torch.randn(3, 6, 1, 16, dtype=dtype)
     k, v = torch.randn(3, 2, 20, 16, dtype=dtype), torch.randn(3, 2, 20, 16, dtype=dtype)
-    mask = torch.zeros(3, 1, 1, 20, dtype=dtype)
+    mask = torch.zeros(3, mask_heads, 1, 20, dtype=dtype)
+    if mask_heads > 1:
+        mask += torch.randn(3, mask_heads, 1, 20).to(dtype)
     mask[0, ..., 7:] = float("-inf")
     mask[1] = float("-inf")  # batch row 1 sees no key
 
