@@ -739,9 +739,11 @@ class _GQA(nn.Module):
 
 
 @pytest.mark.parametrize("mode", ["eager", "reduce-overhead", "max-autotune"])
-def test_fold_repeat_kv_in_inference_equals_eager(mode):
-    """The CPU attention reads the unexpanded KV cache (the pass fires once per
-    attention) and every step's output and cache write equal eager's."""
+def test_fold_repeat_kv_and_decode_attention_in_inference_equal_eager(mode):
+    """The CPU attention reads the unexpanded KV cache (fold_repeat_kv fires once per
+    attention); where Inductor compiles (not in eager mode) the one-query attention,
+    grouped heads and a boolean mask over a static cache, is then written out for it
+    (decode_attention); every step's output and cache write equal eager's."""
     torch.manual_seed(0)
     model = _GQA(batch=3)
     ref = copy.deepcopy(model)
@@ -757,6 +759,7 @@ def test_fold_repeat_kv_in_inference_equals_eager(mode):
     assert_close(model.k_cache, ref.k_cache, reduction=1)
     assert_close(model.v_cache, ref.v_cache, reduction=1)
     assert last_record().passes.get("fold_repeat_kv") == 1
+    assert last_record().passes.get("decode_attention", 0) == (0 if mode == "eager" else 1)
 
 
 def test_fold_repeat_kv_leaves_training_and_other_layouts_alone():
@@ -810,28 +813,6 @@ def test_fold_repeat_kv_on_a_dynamic_batch_adds_no_guard():
 
 
 # ---------------------------------------------------------------- decode_attention
-
-
-@pytest.mark.parametrize("mode", ["eager", "reduce-overhead", "max-autotune"])
-def test_decode_attention_in_inference_equals_eager(mode):
-    """A one-query CPU attention (after fold_repeat_kv: grouped heads, a boolean mask
-    over a static cache) is written out for Inductor where Inductor compiles (not in
-    eager mode), and every step's output and cache write equal eager's."""
-    torch.manual_seed(0)
-    model = _GQA(batch=3)
-    ref = copy.deepcopy(model)
-    cfg = eager_config() if mode == "eager" else graphgear.CompilerConfig()
-    if mode != "eager":
-        cfg.mode = mode
-    f = torch.compile(model, backend=graphgear.get_backend(cfg))
-    with torch.no_grad():
-        for p in range(4):
-            x, k, v = torch.randn(3, 1, 8), torch.randn(3, 2, 1, 8), torch.randn(3, 2, 1, 8)
-            pos = torch.tensor([p])
-            assert_close(f(x, k, v, pos), ref(x, k, v, pos), reduction=16)
-    assert_close(model.k_cache, ref.k_cache, reduction=1)
-    assert_close(model.v_cache, ref.v_cache, reduction=1)
-    assert last_record().passes.get("decode_attention", 0) == (0 if mode == "eager" else 1)
 
 
 def _flash(q, k, v, mask, scale=None):

@@ -231,6 +231,36 @@ _THREAD_MODES = {
 }
 
 
+def _each_thread_gets_its_own(f: Any, inputs: list[torch.Tensor], wants: list[torch.Tensor], *,
+                              steps: int, mode: Any, label: str = "") -> None:
+    """One thread per input, started together (a barrier), each calling ``f`` on its
+    own input ``steps`` times under ``mode()``: every result equals its ``wants``, no
+    thread raises or hangs."""
+    errors: list[str] = []
+    barrier = threading.Barrier(len(inputs))
+
+    def worker(k: int) -> None:
+        x, want = inputs[k], wants[k]
+        try:
+            barrier.wait()
+            with mode():
+                for step in range(steps):
+                    out = f(x)
+                    if out.shape != want.shape or not torch.allclose(out, want, atol=1e-5, rtol=1e-4):
+                        errors.append(f"{label}thread {k} step {step}: wrong result")
+                        return
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(f"{label}thread {k}: {type(e).__name__}: {e}\n{traceback.format_exc()}")
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(len(inputs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    assert not any(t.is_alive() for t in threads), "a thread hung"
+    assert not errors, errors[:4]
+
+
 @pytest.mark.parametrize("padding", [False, True], ids=["plain", "padding"])
 @pytest.mark.parametrize("opts", list(_THREAD_MODES.values()), ids=list(_THREAD_MODES))
 def test_item5_threads_each_get_their_own_results(opts: dict, padding: bool) -> None:
@@ -248,28 +278,7 @@ def test_item5_threads_each_get_their_own_results(opts: dict, padding: bool) -> 
         for x in inputs:
             f(x)
             f(x)
-    errors: list[str] = []
-    barrier = threading.Barrier(4)
-
-    def worker(k: int) -> None:
-        x, want = inputs[k], wants[k]
-        try:
-            barrier.wait()
-            with torch.no_grad():
-                for step in range(300):
-                    out = f(x)
-                    if out.shape != want.shape or not torch.allclose(out, want, atol=1e-5, rtol=1e-4):
-                        errors.append(f"thread {k} step {step}: wrong result")
-                        return
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(f"thread {k}: {type(e).__name__}: {e}\n{traceback.format_exc()}")
-
-    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    assert not errors, errors[:4]
+    _each_thread_gets_its_own(f, inputs, wants, steps=300, mode=torch.no_grad)
     if opts.get("mode") is None and not opts.get("run_eagerly"):
         assert _rec().captures >= 1 + 4  # the main thread's, then one of its own per thread
 
@@ -296,29 +305,7 @@ def _threads_compiling_round(r: int, opts: dict, serve: bool, start: str) -> Non
         wants = [net(x) for x in inputs]
         if start == "new-gear":
             f(inputs[0])  # thread 0's gear is built; the others' are not
-    errors: list[str] = []
-    barrier = threading.Barrier(len(sizes))
-
-    def worker(k: int) -> None:
-        x, want = inputs[k], wants[k]
-        try:
-            barrier.wait()
-            with torch.inference_mode():
-                for step in range(40):
-                    out = f(x)
-                    if out.shape != want.shape or not torch.allclose(out, want, atol=1e-5, rtol=1e-4):
-                        errors.append(f"round {r} thread {k} step {step}: wrong result")
-                        return
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(f"round {r} thread {k}: {type(e).__name__}: {e}\n{traceback.format_exc()}")
-
-    threads = [threading.Thread(target=worker, args=(k,)) for k in range(len(sizes))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=600)
-    assert not any(t.is_alive() for t in threads), "a thread hung"
-    assert not errors, errors[:4]
+    _each_thread_gets_its_own(f, inputs, wants, steps=40, mode=torch.inference_mode, label=f"round {r} ")
     if opts.get("mode") is None:
         assert _rec().captures >= len(sizes)  # each thread captured its own gear
 

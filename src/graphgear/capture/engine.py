@@ -243,8 +243,7 @@ class CaptureEngine:
         g = e.graph
         if g is None:
             if e.uncaptured:
-                self.record.uncaptured_runs += 1
-                return list(self.gm(*args))
+                return self._run_uncaptured(args)
             if e.warm < self.cc.warmup_iters:
                 e.warm += 1
                 self.record.uncaptured_runs += 1
@@ -252,7 +251,7 @@ class CaptureEngine:
             return self._capture(e, args)
         bound = g.args
         if g.released:  # graphgear.reset() in another thread since the lookup
-            return self._run_released(args)
+            return self._run_uncaptured(args)
         if e.bound_refs and any(r.expired() for r in e.bound_refs):
             # a new tensor at the address a dead one was captured with: it is this
             # capture's now (the graph writes that address), not a dead capture
@@ -271,14 +270,14 @@ class CaptureEngine:
             bound[i].copy_(args[i])
         self.pool.invalidate(self._stale, arena)
         outs = g.replay()
-        if outs is None:
-            return self._run_released(args)
+        if outs is None:  # released by another thread before it ran
+            return self._run_uncaptured(args)
         self.record.replays += 1
         return self._hand_out(e, outs, arena)
 
-    def _run_released(self, args: list[Any]) -> list[Any]:
-        """This call's capture was released by another thread (``graphgear.reset()``)
-        between its lookup and its replay: run the graph uncaptured, once."""
+    def _run_uncaptured(self, args: list[Any]) -> list[Any]:
+        """Run the FX graph as it is (a key that runs uncaptured, past capture_limit, or
+        whose capture another thread's ``graphgear.reset()`` released before its replay)."""
         self.record.uncaptured_runs += 1
         return list(self.gm(*args))
 
@@ -376,8 +375,7 @@ class CaptureEngine:
     def _capture(self, e: _Entry, args: list[Any]) -> list[Any]:
         if self._limit_reached():
             e.uncaptured = True
-            self.record.uncaptured_runs += 1
-            return list(self.gm(*args))
+            return self._run_uncaptured(args)
         bound = list(args)
         nbytes = 0
         e.copy_idx = [i for i in self.copy_idx if isinstance(args[i], torch.Tensor)]

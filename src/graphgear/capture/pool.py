@@ -66,6 +66,12 @@ class Arena:
         weakref.finalize(self, _keep_at_end, self.kept, self.handed)
         self.nbytes = 0
 
+    def take_handed(self) -> list[liveness.Handout]:
+        """The hand-outs so far, the list emptied in place (the finalizer holds it)."""
+        handed = self.handed[:]
+        self.handed.clear()
+        return handed
+
     def prune_kept(self) -> None:
         if len(self.kept) > 16:
             self.kept[:] = [h for h in self.kept if not h.ref.expired()]
@@ -184,8 +190,7 @@ class MemoryPool:
         a = arena or self.arena()
         if not a.handed:
             return 0
-        handed = a.handed[:]  # emptied in place: the arena's finalizer holds the list
-        a.handed.clear()
+        handed = a.take_handed()
         poison = liveness.poisoner()
         if poison is None:
             return 0
@@ -193,8 +198,7 @@ class MemoryPool:
         return liveness.poison_all(handed, msg, poison, a.kept)
 
     def _release_arena(self, a: Arena) -> None:
-        handed = a.handed[:]
-        a.handed.clear()
+        handed = a.take_handed()
         poison = liveness.poisoner() if handed else None
         if poison is not None:
             liveness.poison_all(handed, _RESET_MSG, poison, a.kept)

@@ -34,7 +34,6 @@ flash kernel.
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -47,6 +46,7 @@ from ..shapes import known_equal
 from .manager import GraphPass, node_val
 from .ops import inline_decompositions
 from .patterns import decomp_kind
+from .repeat_kv import cpu_flash_attention, only_output_used
 
 aten = torch.ops.aten
 
@@ -61,11 +61,6 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: few hundred keys per row the flash kernel's blocked products win; below, its fixed
 #: cost per call does.
 MAX_MACS = 131072
-
-
-def _cpu_flash() -> Any:
-    packet = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-    return packet.default if packet is not None else None
 
 
 def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout_p: float = 0.0,
@@ -97,7 +92,7 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 
 def _fits(node: fx.Node) -> bool:
-    if len(node.args) < 3 or any(u.target is not operator.getitem or u.args[1] != 0 for u in node.users):
+    if not only_output_used(node):
         return False  # the log-sum-exp (or the whole tuple) is used: a training forward
     dropout = node.args[3] if len(node.args) > 3 else node.kwargs.get("dropout_p", 0.0)
     causal = node.args[4] if len(node.args) > 4 else node.kwargs.get("is_causal", False)
@@ -130,7 +125,7 @@ class DecodeAttention(GraphPass):
         return mode_of(config) in ("max-autotune", "reduce-overhead")
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], config: Any) -> int:
-        target = _cpu_flash()
+        target = cpu_flash_attention()
         if target is None:
             return 0
         table = inductor_decomp_table() if decomp_kind(config) == "inductor" else None

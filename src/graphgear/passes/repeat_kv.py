@@ -31,14 +31,21 @@ from .manager import GraphPass, node_val
 
 aten = torch.ops.aten
 
-__all__ = ["FoldRepeatKV"]
+__all__ = ["FoldRepeatKV", "cpu_flash_attention", "only_output_used"]
 
 _RESHAPES = {aten._unsafe_view.default, aten.view.default, aten.reshape.default}
 
 
-def _cpu_flash() -> Any:
+def cpu_flash_attention() -> Any:
+    """ATen's CPU flash-attention overload, None where this torch has none."""
     packet = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
     return packet.default if packet is not None else None
+
+
+def only_output_used(node: fx.Node) -> bool:
+    """Whether a CPU flash attention call's log-sum-exp is unused (only ``node[0]`` is
+    read: inference; a training forward saves the log-sum-exp for the backward)."""
+    return len(node.args) >= 3 and all(u.target is operator.getitem and u.args[1] == 0 for u in node.users)
 
 
 def _repeated_source(node: Any) -> tuple[fx.Node, int] | None:
@@ -78,12 +85,12 @@ class FoldRepeatKV(GraphPass):
     name = "fold_repeat_kv"
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], config: Any) -> int:
-        target = _cpu_flash()
+        target = cpu_flash_attention()
         if target is None:
             return 0
         changed = 0
         for node in list(gm.graph.find_nodes(op="call_function", target=target)):
-            if len(node.args) < 3 or any(u.target is not operator.getitem or u.args[1] != 0 for u in node.users):
+            if not only_output_used(node):
                 continue  # the log-sum-exp (or the whole tuple) is used: a training forward
             k, v = _repeated_source(node.args[1]), _repeated_source(node.args[2])
             if k is None or v is None or k[1] != v[1]:
