@@ -854,6 +854,37 @@ def test_decode_attention_matches_the_flash_kernel_masked_rows_and_scale(dtype, 
     assert last_record().passes.get("decode_attention") == 1
 
 
+def test_decode_attention_stores_the_query_once_for_every_key():
+    """The written-out product-sum reads the query once per key. Left a pointwise value,
+    Inductor would inline it there and recompute it, a rotary embedding's sines and
+    cosines included, for every key (256 keys at batch 4 was 1.22x slower than the flash
+    kernel): the pass marks the query stored (Inductor's force-stride-order prim, a no-op
+    in eager mode), and the result still equals the flash kernel's."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from graphgear.passes.decode_attention import DecodeAttention
+
+    def fn(x, pos, k, v, mask):
+        angle = pos[:, None, None, None].float() * torch.arange(1, 9).float()
+        q = x * torch.cos(angle) + x.flip(-1) * torch.sin(angle)  # a rotary-style query
+        return (_flash(q, k, v, mask),)
+
+    torch.manual_seed(0)
+    args = (torch.randn(2, 4, 1, 8), torch.tensor([3, 5]), torch.randn(2, 2, 10, 8),
+            torch.randn(2, 2, 10, 8), torch.zeros(2, 1, 1, 10))
+    gm = make_fx(fn, tracing_mode="fake")(*args)
+    gm.graph.eliminate_dead_code()
+    cfg = graphgear.CompilerConfig()
+    cfg.mode = "reduce-overhead"
+    assert DecodeAttention()(gm, args, cfg) == 1
+    gm.recompile()
+    stored = [n for n in gm.graph.nodes if n.op == "call_function"
+              and n.target is torch.ops.prims.inductor_force_stride_order.default]
+    assert len(stored) == 1
+    assert tuple(stored[0].meta["val"].shape) == (2, 2, 2, 1, 8)  # the grouped query
+    assert_close(gm(*args)[0], fn(*args)[0], reduction=10)
+
+
 def test_decode_attention_leaves_long_contexts_causal_and_training_alone():
     """Past MAX_MACS (long contexts: the flash kernel's blocked products win), with
     is_causal, and where the log-sum-exp is used (a training forward): not rewritten;

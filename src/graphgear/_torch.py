@@ -516,6 +516,32 @@ def compile_session() -> Any:
         yield
 
 
+def inductor_realize(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself (a contiguous tensor), marked so Inductor stores it in a buffer rather
+    than recomputing it inside each consumer's loop.
+
+    Inductor inlines a pointwise value into every kernel that reads it; a reduction that
+    reads it broadcast (a decode query against every key) recomputes it once per broadcast
+    element, sines and cosines of a rotary embedding included. Inductor's
+    ``prims.inductor_force_stride_order`` (what its own post-grad passes use to pin
+    layouts) lowers to ``ExternKernel.require_stride_order``, which realizes the value; on
+    an already contiguous tensor it computes nothing in eager mode.
+
+    ``torch._inductor.inductor_prims.force_stride_order``: checked on 2.13 and 2.14.1 (an
+    op ``torch.ops.prims.inductor_force_stride_order`` registered when
+    ``torch._inductor.inductor_prims`` is imported; 2.11 has it too). If it went, the
+    value is returned as is and Inductor may recompute it (slower, same values)."""
+    try:
+        from torch._inductor import inductor_prims
+    except ImportError:  # pragma: no cover - torch without Inductor
+        return t
+    op = getattr(inductor_prims, "force_stride_order", None)
+    if op is None:  # pragma: no cover - a torch that dropped the prim
+        return t
+    t = t.contiguous()
+    return op(t, t.stride())
+
+
 def inductor_config_patch(**changes: Any) -> Any:
     """A context manager setting Inductor options (``torch._inductor.config.patch``).
 

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from .._torch import inductor_decomp_table
+from .._torch import inductor_decomp_table, inductor_realize
 from ..config import mode_of
 from ..shapes import known_equal
 from .manager import GraphPass, node_val
@@ -56,11 +56,13 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 #: The largest attention (batch x heads x keys x head dim multiply-adds) rewritten.
 #: Measured on the small Qwen2 decode step (4 heads of 64, 1 thread; served step, pass
-#: on / off, same run): batch 1 x 64 keys (16 K) 0.89, batch 4 x 64 (65 K) 0.87, batch
-#: 8 x 64 (131 K) 0.97, batch 1 x 256 (65 K) 0.98, batch 4 x 256 (262 K) 1.22. Past a
-#: few hundred keys per row the flash kernel's blocked products win; below, its fixed
-#: cost per call does.
-MAX_MACS = 131072
+#: on / off, same run): 64 keys at batch 8 (131 K) 0.92, batch 1 0.92; 256 keys at batch
+#: 1 / 4 / 8 (65 K / 262 K / 524 K) 0.88 / 0.93 / 0.93; 1024 keys at batch 1 (262 K)
+#: 0.85, at batch 4 (1 M) 1.02. Past that the flash kernel's blocked products win;
+#: below, its fixed cost per call does. (Before the query was stored once, Inductor
+#: recomputed its rotary embedding, sines and cosines, for every key: 256 keys at batch
+#: 4 was 1.22.)
+MAX_MACS = 524288
 
 
 def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout_p: float = 0.0,
@@ -74,7 +76,9 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     g = h // kv
     dtype = query.dtype
     sc = scale if scale is not None else 1.0 / math.sqrt(d)
-    q = query.float().reshape(b, kv, g, 1, d)
+    # Stored once: inlined, Inductor would recompute the query (its rotary embedding's
+    # sines and cosines included) for every key of the product-sum below.
+    q = inductor_realize(query.float().reshape(b, kv, g, 1, d))
     k = key.float().unsqueeze(2)  # [B, KV, 1, L, D]
     v = value.float().unsqueeze(2)
     s = (q * k).sum(-1) * sc  # [B, KV, G, L]
