@@ -95,6 +95,58 @@ def test_item1_frozen_packed_outputs_go_stale_like_any_other() -> None:
         assert_close(f(x1), net(x1), reduction=64)
 
 
+class _FourLinears(nn.Module):
+    """Four products and a state buffer written in place each call (a KV cache's role)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c, self.d = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 8)
+        self.register_buffer("state", torch.zeros(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.d(torch.relu(self.c(torch.relu(self.b(torch.relu(self.a(x)))))))
+        self.state.add_(out.sum(0))
+        return out
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_item1_frozen_cpp_wrapper_outputs_state_and_staleness_like_the_python_wrapper(monkeypatch, rows) -> None:
+    """frozen_parameter at 4 rows: four packed products, so the CPU graph's code is
+    Inductor's C++ wrapper (allocating in C++; outputs copied to static buffers); at one
+    row, the Python wrapper with its allocation record. Either way: outputs and the
+    in-place state equal eager's at every call, and a view made under inference_mode goes
+    stale when the next replay overwrites its output."""
+    import graphgear.compilers.inductor as gi
+    from graphgear.compilers.mkl_pack import mkl_packing_available
+
+    if not mkl_packing_available():
+        pytest.skip("this torch has no MKL")
+    used: list[bool] = []
+    real = gi.inductor_compile_fx_inner
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        used.append(bool(kwargs.get("cpp_wrapper")))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gi, "inductor_compile_fx_inner", spy)
+    torch.manual_seed(0)
+    net = _FourLinears()
+    ref = _FourLinears()
+    ref.load_state_dict(net.state_dict())
+    f = torch.compile(net, backend=_ro(warmup_iters=0, frozen_parameter=True))
+    xs = [torch.randn(rows, 8) for _ in range(4)]
+    with torch.inference_mode():
+        view = f(xs[0])[-1:]
+        assert_close(view, ref(xs[0])[-1:], reduction=64)
+        for x in xs[1:]:
+            assert_close(f(x), ref(x), reduction=64)
+            assert_close(net.state, ref.state, reduction=64)
+        with pytest.raises(RuntimeError, match="overwritten.*clone_output=True"):
+            view + 0
+    assert used == [rows > 1]
+    assert _rec().replays == 3
+
+
 def test_item1_decode_loop_keeps_last_logits_view() -> None:
     from graphgear.toy_decoder import DecoderConfig, ToyDecoder
 

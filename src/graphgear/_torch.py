@@ -100,6 +100,7 @@ __all__ = [
     "graph_pickle_loads",
     "tracing_with",
     "INDUCTOR_ALLOC_NAMES",
+    "INDUCTOR_CPP_WRAPPER_NAMES",
     "FakeTensor",
     "FakeTensorMode",
     "OpOverload",
@@ -132,6 +133,7 @@ __all__ = [
     "inductor_remove_noop_ops",
     "inductor_virtual_fake_mode",
     "inductor_wrapper_globals",
+    "inductor_is_cpp_wrapper",
     "boxed_convention",
     "is_boxed",
     "make_boxed_func",
@@ -664,6 +666,24 @@ def inductor_callable(compiled: Any) -> Callable[[list[Any]], Any]:
     return getattr(compiled, "current_callable", None) or compiled
 
 
+#: Names in the module of Inductor's C++ wrapper (``cpp_wrapper``), whose ``call`` hands
+#: the inputs to compiled C++ that allocates its buffers itself: checked on 2.13 (the
+#: generated module defines ``cpp_wrapper_src`` and ``inductor_entry``).
+INDUCTOR_CPP_WRAPPER_NAMES = ("cpp_wrapper_src", "inductor_entry")
+
+
+def _generated_globals(compiled: Any, names: Sequence[str]) -> dict[str, Any] | None:
+    fn = getattr(compiled, "current_callable", None)
+    seen = 0
+    while fn is not None and seen < 5:
+        g = getattr(fn, "__globals__", None)
+        if g is not None and any(n in g for n in names):
+            return g
+        fn = getattr(fn, "__wrapped__", None) or getattr(fn, "func", None)
+        seen += 1
+    return None
+
+
 def inductor_wrapper_globals(compiled: Any) -> dict[str, Any] | None:
     """The globals of Inductor's generated ``call`` function (where its allocator is),
     None where none of :data:`INDUCTOR_ALLOC_NAMES` is found.
@@ -671,15 +691,15 @@ def inductor_wrapper_globals(compiled: Any) -> dict[str, Any] | None:
     Follows ``CompiledFxGraph.current_callable`` and up to five ``__wrapped__`` /
     ``func`` links: checked on 2.13. If Inductor changes its wrapper the CPU graph warns
     and runs the native code without a record."""
-    fn = getattr(compiled, "current_callable", None)
-    seen = 0
-    while fn is not None and seen < 5:
-        g = getattr(fn, "__globals__", None)
-        if g is not None and any(n in g for n in INDUCTOR_ALLOC_NAMES):
-            return g
-        fn = getattr(fn, "__wrapped__", None) or getattr(fn, "func", None)
-        seen += 1
-    return None
+    return _generated_globals(compiled, INDUCTOR_ALLOC_NAMES)
+
+
+def inductor_is_cpp_wrapper(compiled: Any) -> bool:
+    """Whether Inductor's compiled graph runs through its C++ wrapper (``cpp_wrapper``):
+    its buffers are allocated in C++, out of the Python allocator's reach (the same
+    links as :func:`inductor_wrapper_globals`, names :data:`INDUCTOR_CPP_WRAPPER_NAMES`;
+    checked on 2.13)."""
+    return _generated_globals(compiled, INDUCTOR_CPP_WRAPPER_NAMES) is not None
 
 
 # --------------------------------------------------------------------------- settings

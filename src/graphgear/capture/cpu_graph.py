@@ -30,9 +30,13 @@ Why this hook: Inductor's Python wrapper makes every allocation of a run through
 function (``empty_strided_cpu``), so serving that function from the record is the one
 place where a whole replay runs in recorded memory without changing the generated code.
 Inductor's own ``memory_planning`` reuses buffers within one run but still allocates
-every run; ``cpp_wrapper`` moves allocation into C++, out of reach, so the CPU graph's
-compile pins it off (``compilers.inductor.compile_static``). Where the allocator is not
-found (a future Inductor), the CPU graph says so in a warning and runs without a record.
+every run. Inductor's C++ wrapper (``cpp_wrapper``) moves allocation into C++, out of
+reach: the compiler chooses it only where it pays, for graphs whose matrix products are
+extern calls (``compilers.inductor.compile_static``: frozen decode batches of 2 rows and
+more), and a replay of such code allocates its intermediates in C++ and copies its
+outputs into static buffers (the same rules for what is handed out). Where the allocator
+is not found in a Python wrapper (a future Inductor), the CPU graph says so in a warning
+and runs the same way.
 """
 
 from __future__ import annotations
@@ -45,7 +49,12 @@ from typing import Any
 import torch
 from torch import fx
 
-from .._torch import INDUCTOR_ALLOC_NAMES, inductor_callable, inductor_wrapper_globals
+from .._torch import (
+    INDUCTOR_ALLOC_NAMES,
+    inductor_callable,
+    inductor_is_cpp_wrapper,
+    inductor_wrapper_globals,
+)
 from .pool import MemoryPool
 
 log = logging.getLogger(__name__)
@@ -116,6 +125,10 @@ class CPUExecutor:
             self.run: Callable[[list[Any]], Any] = inductor_callable(compiled)
             if g is not None:
                 self.slot = _allocator_switch(g, next(n for n in INDUCTOR_ALLOC_NAMES if n in g))
+            elif inductor_is_cpp_wrapper(compiled):
+                # Inductor's C++ wrapper (chosen by the compiler for graphs of many extern
+                # calls): it allocates in C++; the outputs are copied to static buffers
+                log.debug("graphgear: %s: C++ wrapper; outputs copied to static buffers", name)
             else:  # Inductor changed its wrapper: say so, and keep the memory rules
                 log.warning(
                     "graphgear: %s: Inductor's generated code has no allocator named %s to "

@@ -168,6 +168,17 @@ def static_fakes(args: Sequence[Any], *, allow_constants: bool = False) -> list[
                 for a in args]
 
 
+#: The C++ wrapper for a frozen static graph with at least this many packed products
+#: (each an extern kernel call that the Python wrapper makes through torch's dispatcher,
+#: a few microseconds apiece with the caches cold after the product before it). Measured
+#: on bench_decode's small Qwen2 served step (29 packed products; 1 thread, same run,
+#: C++ / Python wrapper): batch 2 0.91, batch 4 0.89, batch 8 0.88. Without packed
+#: products (batch 1: one generated kernel) the C++ wrapper was slower (1.08-1.10: it
+#: converts every argument and allocates in C++, and the CPU graph then copies the
+#: outputs), so the Python wrapper and its allocation record stay there.
+CPP_WRAPPER_MIN_EXTERN_CALLS = 4
+
+
 def compile_static(
     gm: fx.GraphModule, args: Sequence[Any], *, stage: str, static_idx: Sequence[int],
     frozen: bool = False,
@@ -186,7 +197,9 @@ def compile_static(
 
     On the CPU, products of 2 to 64 rows with a frozen weight go to MKL's packed GEMM
     (:mod:`.mkl_pack`, packed once here); one-row products are Inductor's decomposed
-    reductions (``decompose_mm_pass``) and larger ones its C++ GEMM template.
+    reductions (``decompose_mm_pass``) and larger ones its C++ GEMM template. A graph
+    with at least :data:`CPP_WRAPPER_MIN_EXTERN_CALLS` packed products is compiled with
+    Inductor's C++ wrapper (the CPU graph then copies its outputs to static buffers).
     """
     register_inductor_lowering()
     frozen = frozen and bool(static_idx)
@@ -195,25 +208,30 @@ def compile_static(
     patches: dict[str, Any] = dict(
         post_grad_fusion_options={"decompose_mm_pass": {}}, freezing=False,
         # the CPU graph records allocations through the Python wrapper's allocator
+        # (the C++ wrapper only for packed products: see below)
         cpp_wrapper=False,
         # inputs are bound at capture: their sizes and strides cannot change
         size_asserts=False, alignment_asserts=False,
     )
     keep = list(range(len(args)))
     static = list(static_idx)
+    cpp_wrapper = False
     if frozen:
         params = [i for i in static if isinstance(args[i], torch.nn.Parameter)]
         keep = _freeze_inputs(dgm, args, params)
         fakes = [fakes[i] for i in keep]
         static = [keep.index(i) for i in static if i in keep]
-        pack_frozen_linears(dgm)  # frozen is CPU-only; it packs CPU fp32 weights only
+        # frozen is CPU-only; it packs CPU fp32 weights only
+        cpp_wrapper = pack_frozen_linears(dgm) >= CPP_WRAPPER_MIN_EXTERN_CALLS
         if dgm.graph.find_nodes(op="call_function", target=torch.ops.aten.mm.default) or \
                 dgm.graph.find_nodes(op="call_function", target=torch.ops.aten.addmm.default):
             patches.update(max_autotune=True, max_autotune_gemm_backends="CPP")
+    patches["cpp_wrapper"] = cpp_wrapper
     with cache_context(fakes, replace=True), inductor_config_patch(**patches):
         compiled = inductor_compile_fx_inner(
             dgm, fakes, static_input_idxs=static,
             is_inference=stage == "inference", is_backward=stage == "backward",
+            cpp_wrapper=cpp_wrapper,
         )
     if len(keep) == len(args):
         return compiled
