@@ -650,3 +650,42 @@ def test_frozen_small_m_products_are_packed_for_mkl_and_equal_eager() -> None:
         assert_close(gm(x, w_in), expected, reduction=48)
     half = make_fx_allowing_real_inputs(Net().double())(torch.randn(4, 32).double(), torch.randn(32, 32).double())
     assert pack_frozen_linears(half) == 0
+
+
+def test_frozen_products_of_the_same_rows_are_grouped_then_packed_and_equal_eager() -> None:
+    """group_frozen_products: a layer's q/k/v-style products (with bias) of one hidden
+    state, reached through separate views as traced graphs have them, become one product
+    over the concatenated weights and one packed MKL call; the gate/up-style pair (no
+    bias) another; a product of other rows, a lone product and one row are left alone.
+    Every output equals eager's."""
+    from graphgear._torch import make_fx_allowing_real_inputs
+    from graphgear.compilers.mkl_pack import group_frozen_products, mkl_packing_available, pack_frozen_linears
+
+    if not mkl_packing_available():
+        pytest.skip("this torch has no MKL")
+    torch.manual_seed(0)
+
+    class Layer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            for name, n, bias in [("q", 24, True), ("k", 8, True), ("v", 8, True), ("gate", 40, False),
+                                  ("up", 40, False), ("down", 16, False), ("other", 16, False)]:
+                self.add_module(name, torch.nn.Linear(16 if name != "down" else 40, n, bias=bias))
+                getattr(self, name).requires_grad_(False)
+
+        def forward(self, h: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            b, s, _ = h.shape
+            q, k, v = self.q(h), self.k(h), self.v(h)  # each a view of h, then addmm
+            mlp = self.down(torch.nn.functional.silu(self.gate(h)) * self.up(h))
+            return q.view(b, s, 3, 8) * 2, k + v, mlp, self.other(g)
+
+    net = Layer()
+    for batch, want_groups, want_calls in [(4, 2, 4), (1, 0, 0)]:
+        h, g = torch.randn(batch, 1, 16), torch.randn(batch, 1, 16)
+        gm = make_fx_allowing_real_inputs(net)(h, g)
+        gm.graph.eliminate_dead_code()
+        assert group_frozen_products(gm) == want_groups, batch
+        assert pack_frozen_linears(gm) == want_calls, batch  # q|k|v, gate|up, down, other
+        for got, want in zip(gm(h, g), net(h, g)):
+            assert got.shape == want.shape
+            assert_close(got, want, reduction=40)

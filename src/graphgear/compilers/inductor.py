@@ -43,7 +43,7 @@ from ..artifacts import KeyArtifact, strip_cache_tag
 from ..context import CompileContext
 from ..passes import PASSES_VERSION
 from ..passes.ops import inductor_fused_op_decompositions, inline_decompositions, register_inductor_lowering
-from .mkl_pack import pack_frozen_linears
+from .mkl_pack import group_frozen_products, pack_frozen_linears
 
 log = logging.getLogger(__name__)
 
@@ -196,7 +196,8 @@ def compile_static(
     afterwards are not seen. That is what ``frozen_parameter`` promises.
 
     On the CPU, products of 2 to 64 rows with a frozen weight go to MKL's packed GEMM
-    (:mod:`.mkl_pack`, packed once here); one-row products are Inductor's decomposed
+    (:mod:`.mkl_pack`, packed once here; products of the same rows grouped into one
+    first); one-row products are Inductor's decomposed
     reductions (``decompose_mm_pass``) and larger ones its C++ GEMM template. A graph
     with at least :data:`CPP_WRAPPER_MIN_EXTERN_CALLS` packed products is compiled with
     Inductor's C++ wrapper (the CPU graph then copies its outputs to static buffers).
@@ -222,6 +223,7 @@ def compile_static(
         fakes = [fakes[i] for i in keep]
         static = [keep.index(i) for i in static if i in keep]
         # frozen is CPU-only; it packs CPU fp32 weights only
+        group_frozen_products(dgm)
         cpp_wrapper = pack_frozen_linears(dgm) >= CPP_WRAPPER_MIN_EXTERN_CALLS
         if dgm.graph.find_nodes(op="call_function", target=torch.ops.aten.mm.default) or \
                 dgm.graph.find_nodes(op="call_function", target=torch.ops.aten.addmm.default):

@@ -34,7 +34,7 @@ from torch import fx
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MAX_ROWS", "MIN_ROWS", "mkl_packing_available", "pack_frozen_linears"]
+__all__ = ["MAX_ROWS", "MIN_ROWS", "group_frozen_products", "mkl_packing_available", "pack_frozen_linears"]
 
 aten = torch.ops.aten
 
@@ -127,3 +127,92 @@ def pack_frozen_linears(gm: fx.GraphModule, *, min_rows: int = MIN_ROWS, max_row
         gm.recompile()
         log.debug("graphgear: %d matrix products packed for MKL (%d packed weights)", count, len(packed))
     return count
+
+
+
+_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+
+
+def _rows_source(x: fx.Node) -> object:
+    """What a product's rows are, up to a view: the traced graph gives each linear of the
+    same hidden state its own ``view`` node, equal in source and shape."""
+    if x.op == "call_function" and x.target in _VIEWS:
+        return (x.args[0], tuple(x.args[1]))
+    return x
+
+
+def group_frozen_products(gm: fx.GraphModule, *, min_rows: int = MIN_ROWS, max_rows: int = MAX_ROWS) -> int:
+    """Rewrite products that multiply the same rows by different frozen weights (a
+    decoder layer's query, key and value projections; its gate and up projections) into
+    one product over the weights concatenated, followed by a slice per product; returns
+    how many groups were made. Run before :func:`pack_frozen_linears`, which then packs
+    one weight per group: fewer, larger MKL calls.
+
+    Grouped are ``mm(x, W.T)`` (or all ``addmm(b, x, W.T)`` with a constant bias) with
+    ``W`` a 2-D contiguous fp32 CPU constant and ``x`` of ``min_rows`` to ``max_rows``
+    static rows. The concatenated weight is a new constant of the graph (a copy of the
+    grouped weights, kept with the compiled code like the packed copy). Measured on
+    bench_decode's small Qwen2 served step (29 products -> 17 calls; 1 thread, same run,
+    grouped / separate): batch 2 0.90 and 0.78, batch 4 0.87, batch 8 0.85."""
+    if not mkl_packing_available():
+        return 0
+    g = gm.graph
+    groups: dict[tuple[object, bool], list[tuple[fx.Node, fx.Node, fx.Node, object]]] = {}
+    for node in g.nodes:
+        if node.op != "call_function" or node.target not in (aten.mm.default, aten.addmm.default):
+            continue
+        has_bias = node.target is aten.addmm.default
+        if has_bias:
+            if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
+                continue
+            bias, x, wt = node.args[:3]
+            b = _constant(gm, bias)
+            if b is None or b.dim() != 1 or b.dtype != torch.float32:
+                continue
+        else:
+            bias = None
+            x, wt = node.args[:2]
+        w_node = _transposed_weight(gm, wt)
+        xv = x.meta.get("val") if isinstance(x, fx.Node) else None
+        if w_node is None or not isinstance(xv, torch.Tensor) or xv.dim() != 2 or xv.dtype != torch.float32:
+            continue
+        rows = xv.shape[0]
+        if not isinstance(rows, int) or not min_rows <= rows <= max_rows:
+            continue
+        groups.setdefault((_rows_source(x), has_bias), []).append((node, x, w_node, bias))
+    made = 0
+    for (_, has_bias), members in groups.items():
+        if len(members) < 2:
+            continue
+        first, x = members[0][0], members[0][1]  # graph order: the first product's rows
+        weights = [_constant(gm, w) for _, _, w, _ in members]
+        name = f"_graphgear_grouped_weight_{made}"
+        with torch.no_grad():
+            gm.register_buffer(name, torch.cat(weights).contiguous())
+            if has_bias:
+                gm.register_buffer(f"{name}_bias", torch.cat([_constant(gm, b) for *_, b in members]))
+        xv = x.meta["val"]
+        total = sum(w.shape[0] for w in weights)
+        with g.inserting_before(first):
+            w_all = g.call_function(aten.permute.default, (g.get_attr(name), [1, 0]))
+            if has_bias:
+                prod = g.call_function(aten.addmm.default, (g.get_attr(f"{name}_bias"), x, w_all))
+            else:
+                prod = g.call_function(aten.mm.default, (x, w_all))
+            prod.meta["val"] = xv.new_empty((xv.shape[0], total))
+            start = 0
+            for (node, *_), w in zip(members, weights):
+                part = g.call_function(aten.slice.Tensor, (prod, 1, start, start + w.shape[0]))
+                part.meta["val"] = prod.meta["val"][:, start:start + w.shape[0]]
+                own = g.call_function(aten.clone.default, (part,), {"memory_format": torch.contiguous_format})
+                own.meta = dict(node.meta)
+                node.replace_all_uses_with(own)
+                start += w.shape[0]
+        for node, *_ in members:
+            g.erase_node(node)
+        made += 1
+    if made:
+        g.eliminate_dead_code()
+        gm.recompile()
+        log.debug("graphgear: %d groups of products with the same rows made one product each", made)
+    return made
