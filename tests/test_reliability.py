@@ -147,6 +147,34 @@ def test_item1_frozen_cpp_wrapper_outputs_state_and_staleness_like_the_python_wr
     assert _rec().replays == 3
 
 
+def test_item5_threads_replaying_cpp_wrapper_graphs_get_their_own_results(monkeypatch) -> None:
+    """Served (frozen) graphs of four products at 2 to 4 rows are Inductor's C++ wrapper,
+    which allocates in C++ and whose outputs the CPU graph copies: four threads starting
+    cold together, each with its own rows, get their own results at every step."""
+    import graphgear.compilers.inductor as gi
+    from graphgear.compilers.mkl_pack import mkl_packing_available
+
+    if not mkl_packing_available():
+        pytest.skip("this torch has no MKL")
+    used: list[bool] = []
+    real = gi.inductor_compile_fx_inner
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        used.append(bool(kwargs.get("cpp_wrapper")))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gi, "inductor_compile_fx_inner", spy)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16),
+                        nn.ReLU(), nn.Linear(16, 8)).eval()
+    f = graphgear.inference.serve(net, make_config("reduce-overhead", warmup_iters=0))
+    inputs = [torch.randn(n, 8) + i for i, n in enumerate([2, 3, 4, 4])]
+    with torch.no_grad():
+        wants = [net(x) for x in inputs]
+    _each_thread_gets_its_own(f, inputs, wants, steps=6, mode=torch.inference_mode)
+    assert used and all(used), used
+
+
 def test_item1_decode_loop_keeps_last_logits_view() -> None:
     from graphgear.toy_decoder import DecoderConfig, ToyDecoder
 
