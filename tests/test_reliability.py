@@ -175,6 +175,33 @@ def test_item5_threads_replaying_cpp_wrapper_graphs_get_their_own_results(monkey
     assert used and all(used), used
 
 
+def test_frozen_one_row_products_too_wide_to_fuse_are_packed_and_equal_eager(monkeypatch) -> None:
+    """At one row Inductor fuses a frozen product into loops unless a side of its weight
+    is past its decomposition limit (2048); those go to MKL's packed GEMM (not Inductor's
+    C++ GEMM template, slower at one row), the others stay fused; results equal eager's."""
+    import graphgear.compilers.inductor as gi
+    from graphgear.compilers.mkl_pack import mkl_packing_available
+
+    if not mkl_packing_available():
+        pytest.skip("this torch has no MKL")
+    packed: list[int] = []
+    real = gi.inductor_compile_fx_inner
+
+    def spy(gm: Any, *args: Any, **kwargs: Any) -> Any:
+        packed.append(len(gm.graph.find_nodes(op="call_function", target=torch.ops.mkl._mkl_linear.default)))
+        return real(gm, *args, **kwargs)
+
+    monkeypatch.setattr(gi, "inductor_compile_fx_inner", spy)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 2304), nn.ReLU(), nn.Linear(2304, 8)).eval()
+    f = graphgear.inference.serve(net, make_config("reduce-overhead", warmup_iters=0))
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(1, 16)
+            assert_close(f(x), net(x), reduction=2304)
+    assert packed == [2]  # the 32 -> 2304 and 2304 -> 8 products; 16 -> 32 stays fused
+
+
 def test_item1_decode_loop_keeps_last_logits_view() -> None:
     from graphgear.toy_decoder import DecoderConfig, ToyDecoder
 
