@@ -134,7 +134,6 @@ __all__ = [
     "inductor_virtual_fake_mode",
     "inductor_wrapper_globals",
     "inductor_is_cpp_wrapper",
-    "inductor_one_row_decomposition_limit",
     "boxed_convention",
     "is_boxed",
     "make_boxed_func",
@@ -543,20 +542,6 @@ def inductor_realize(t: torch.Tensor) -> torch.Tensor:
         return t
     t = t.contiguous()
     return op(t, t.stride())
-
-
-def inductor_one_row_decomposition_limit() -> int:
-    """The largest weight side Inductor's ``decompose_mm_pass`` turns into fused loops for
-    a one-row product on the CPU (wider weights stay matrix products).
-
-    ``torch._inductor.fx_passes.decompose_mem_bound_mm.cpu_max_other_dimension_decomposition``
-    (2048): checked on 2.13 and 2.14.1. If it moved, 2048 is assumed; a wrong figure
-    changes only which one-row products graphgear packs for MKL, not any result."""
-    try:
-        from torch._inductor.fx_passes import decompose_mem_bound_mm as d
-    except ImportError:  # pragma: no cover - a torch that moved it
-        return 2048
-    return int(getattr(d, "cpu_max_other_dimension_decomposition", 2048))
 
 
 def inductor_config_patch(**changes: Any) -> Any:

@@ -35,7 +35,6 @@ from .._torch import (
     inductor_config_patch,
     inductor_decomp_table,
     inductor_drop_args,
-    inductor_one_row_decomposition_limit,
     pytree,
     tracing,
     unset_fake_temporarily,
@@ -200,9 +199,9 @@ def compile_static(
     (:mod:`.mkl_pack`, packed once here; products of the same rows grouped into one
     first); one-row products are Inductor's decomposed
     reductions (``decompose_mm_pass``), except those with a weight too wide for it, which
-    go to MKL's packed GEMM too (the large bench_decode model's MLP and vocabulary
-    products at one row, served step, same run: C++ GEMM template 13314 µs, ATen 12361,
-    packed 11949); products of more rows Inductor's C++ GEMM template. A graph
+    stay ATen products (the large bench_decode model's MLP and vocabulary products at one
+    row, served step, same run: C++ GEMM template 13314 µs, ATen 12361); products of more
+    rows Inductor's C++ GEMM template. A graph
     with at least :data:`CPP_WRAPPER_MIN_EXTERN_CALLS` packed products is compiled with
     Inductor's C++ wrapper (the CPU graph then copies its outputs to static buffers).
     """
@@ -229,12 +228,10 @@ def compile_static(
         # frozen is CPU-only; it packs CPU fp32 weights only
         group_frozen_products(dgm)
         cpp_wrapper = pack_frozen_linears(dgm) >= CPP_WRAPPER_MIN_EXTERN_CALLS
-        # one row: Inductor fuses the products into loops, except those whose weight is
-        # too wide for its decomposition, which would go to the C++ GEMM template
-        limit = inductor_one_row_decomposition_limit()
-        pack_frozen_linears(dgm, min_rows=1, max_rows=1, weight_filter=lambda w: max(w.shape) > limit)
-        if dgm.graph.find_nodes(op="call_function", target=torch.ops.aten.mm.default) or \
-                dgm.graph.find_nodes(op="call_function", target=torch.ops.aten.addmm.default):
+        # products left: Inductor's C++ GEMM template for those of more rows than MKL's
+        # packing takes; one-row ones stay Inductor's fused loops, or ATen's product where
+        # a weight is too wide for its decomposition (the template is slower at one row)
+        if _rows_left(dgm) > 1:
             patches.update(max_autotune=True, max_autotune_gemm_backends="CPP")
     patches["cpp_wrapper"] = cpp_wrapper
     with cache_context(fakes, replace=True), inductor_config_patch(**patches):
@@ -246,6 +243,17 @@ def compile_static(
     if len(keep) == len(args):
         return compiled
     return inductor_drop_args(compiled, keep)
+
+
+def _rows_left(gm: fx.GraphModule) -> int:
+    """The most rows of a matrix product (``mm``/``addmm``) left in ``gm`` (0: none)."""
+    rows = 0
+    for op, x_at in ((torch.ops.aten.mm.default, 0), (torch.ops.aten.addmm.default, 1)):
+        for node in gm.graph.find_nodes(op="call_function", target=op):
+            xv = node.args[x_at].meta.get("val") if isinstance(node.args[x_at], fx.Node) else None
+            m = xv.shape[0] if isinstance(xv, torch.Tensor) and xv.dim() == 2 else None
+            rows = max(rows, m if isinstance(m, int) else 2)  # unknown: as if several
+    return rows
 
 
 def _freeze_inputs(gm: fx.GraphModule, args: Sequence[Any], frozen: Sequence[int]) -> list[int]:

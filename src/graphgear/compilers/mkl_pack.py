@@ -28,7 +28,6 @@ Without MKL (``torch.backends.mkl.is_available()`` false) nothing is rewritten.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 import torch
 from torch import fx
@@ -77,12 +76,10 @@ def _transposed_weight(gm: fx.GraphModule, node: object) -> fx.Node | None:
     return src
 
 
-def pack_frozen_linears(gm: fx.GraphModule, *, min_rows: int = MIN_ROWS, max_rows: int = MAX_ROWS,
-                        weight_filter: Callable[[torch.Tensor], bool] | None = None) -> int:
+def pack_frozen_linears(gm: fx.GraphModule, *, min_rows: int = MIN_ROWS, max_rows: int = MAX_ROWS) -> int:
     """Rewrite ``gm``'s small-M products with frozen weights to MKL's packed GEMM (see
-    the module docstring); returns how many were rewritten. ``weight_filter``: only the
-    products whose weight it accepts. ``gm``'s nodes need their ``val`` metadata (fake
-    tensors of static shapes)."""
+    the module docstring); returns how many were rewritten. ``gm``'s nodes need their
+    ``val`` metadata (fake tensors of static shapes)."""
     if not mkl_packing_available():
         return 0
     g = gm.graph
@@ -111,8 +108,6 @@ def pack_frozen_linears(gm: fx.GraphModule, *, min_rows: int = MIN_ROWS, max_row
         w = _constant(gm, w_node)
         assert w is not None
         if b is not None and b.shape[0] != w.shape[0]:
-            continue
-        if weight_filter is not None and not weight_filter(w):
             continue
         name = packed.get((str(w_node.target), rows))
         if name is None:
