@@ -76,6 +76,37 @@ def _transposed_weight(gm: fx.GraphModule, node: object) -> fx.Node | None:
     return src
 
 
+def _frozen_product(gm: fx.GraphModule, node: fx.Node, min_rows: int,
+                    max_rows: int) -> tuple[fx.Node, fx.Node, fx.Node | None] | None:
+    """``(x, W's get_attr node, bias node or None)`` when ``node`` is ``mm(x, W.T)`` or
+    ``addmm(b, x, W.T)`` (beta = alpha = 1, ``b`` a 1-D fp32 constant of ``W``'s rows)
+    with ``W`` a frozen 2-D contiguous fp32 CPU constant and ``x`` a 2-D fp32 value of
+    ``min_rows`` to ``max_rows`` static rows; else None."""
+    if node.op != "call_function" or node.target not in (aten.mm.default, aten.addmm.default):
+        return None
+    if node.target is aten.addmm.default:
+        if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
+            return None
+        bias, x, wt = node.args[:3]
+        b = _constant(gm, bias)
+        if b is None or b.dim() != 1 or b.dtype != torch.float32:
+            return None
+    else:
+        bias, b = None, None
+        x, wt = node.args[:2]
+    w_node = _transposed_weight(gm, wt)
+    xv = x.meta.get("val") if isinstance(x, fx.Node) else None
+    if w_node is None or not isinstance(xv, torch.Tensor) or xv.dim() != 2 or xv.dtype != torch.float32:
+        return None
+    rows = xv.shape[0]
+    if not isinstance(rows, int) or not min_rows <= rows <= max_rows:
+        return None
+    w = _constant(gm, w_node)
+    if w is None or (b is not None and b.shape[0] != w.shape[0]):
+        return None
+    return x, w_node, bias
+
+
 def pack_frozen_linears(gm: fx.GraphModule, *, min_rows: int = MIN_ROWS, max_rows: int = MAX_ROWS) -> int:
     """Rewrite ``gm``'s small-M products with frozen weights to MKL's packed GEMM (see
     the module docstring); returns how many were rewritten. ``gm``'s nodes need their
@@ -86,29 +117,13 @@ def pack_frozen_linears(gm: fx.GraphModule, *, min_rows: int = MIN_ROWS, max_row
     packed: dict[tuple[str, int], str] = {}
     count = 0
     for node in list(g.nodes):
-        if node.op != "call_function" or node.target not in (aten.mm.default, aten.addmm.default):
+        found = _frozen_product(gm, node, min_rows, max_rows)
+        if found is None:
             continue
-        if node.target is aten.addmm.default:
-            if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
-                continue
-            bias, x, wt = node.args[:3]
-            b = _constant(gm, bias)
-            if b is None or b.dim() != 1 or b.dtype != torch.float32:
-                continue
-        else:
-            bias, b = None, None
-            x, wt = node.args[:2]
-        w_node = _transposed_weight(gm, wt)
-        xv = x.meta.get("val") if isinstance(x, fx.Node) else None
-        if w_node is None or not isinstance(xv, torch.Tensor) or xv.dim() != 2 or xv.dtype != torch.float32:
-            continue
-        rows = xv.shape[0]
-        if not isinstance(rows, int) or not min_rows <= rows <= max_rows:
-            continue
+        x, w_node, bias = found
+        rows = x.meta["val"].shape[0]
         w = _constant(gm, w_node)
         assert w is not None
-        if b is not None and b.shape[0] != w.shape[0]:
-            continue
         name = packed.get((str(w_node.target), rows))
         if name is None:
             name = f"_graphgear_mkl_packed_{len(packed)}"
@@ -159,27 +174,10 @@ def group_frozen_products(gm: fx.GraphModule, *, min_rows: int = MIN_ROWS, max_r
     g = gm.graph
     groups: dict[tuple[object, bool], list[tuple[fx.Node, fx.Node, fx.Node, object]]] = {}
     for node in g.nodes:
-        if node.op != "call_function" or node.target not in (aten.mm.default, aten.addmm.default):
-            continue
-        has_bias = node.target is aten.addmm.default
-        if has_bias:
-            if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
-                continue
-            bias, x, wt = node.args[:3]
-            b = _constant(gm, bias)
-            if b is None or b.dim() != 1 or b.dtype != torch.float32:
-                continue
-        else:
-            bias = None
-            x, wt = node.args[:2]
-        w_node = _transposed_weight(gm, wt)
-        xv = x.meta.get("val") if isinstance(x, fx.Node) else None
-        if w_node is None or not isinstance(xv, torch.Tensor) or xv.dim() != 2 or xv.dtype != torch.float32:
-            continue
-        rows = xv.shape[0]
-        if not isinstance(rows, int) or not min_rows <= rows <= max_rows:
-            continue
-        groups.setdefault((_rows_source(x), has_bias), []).append((node, x, w_node, bias))
+        found = _frozen_product(gm, node, min_rows, max_rows)
+        if found is not None:
+            x, w_node, bias = found
+            groups.setdefault((_rows_source(x), bias is not None), []).append((node, x, w_node, bias))
     made = 0
     for (_, has_bias), members in groups.items():
         if len(members) < 2:
