@@ -95,6 +95,22 @@ def test_item1_frozen_packed_outputs_go_stale_like_any_other() -> None:
         assert_close(f(x1), net(x1), reduction=64)
 
 
+def _spy_static_compiles(monkeypatch: pytest.MonkeyPatch, note: Any) -> list[Any]:
+    """Record ``note(graph module, keywords)`` for every Inductor compile of a static
+    graph (``compilers.inductor.compile_static``), in order."""
+    import graphgear.compilers.inductor as gi
+
+    seen: list[Any] = []
+    real = gi.inductor_compile_fx_inner
+
+    def spy(gm: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.append(note(gm, kwargs))
+        return real(gm, *args, **kwargs)
+
+    monkeypatch.setattr(gi, "inductor_compile_fx_inner", spy)
+    return seen
+
+
 class _FourLinears(nn.Module):
     """Four products and a state buffer written in place each call (a KV cache's role)."""
 
@@ -116,19 +132,11 @@ def test_item1_frozen_cpp_wrapper_outputs_state_and_staleness_like_the_python_wr
     row, the Python wrapper with its allocation record. Either way: outputs and the
     in-place state equal eager's at every call, and a view made under inference_mode goes
     stale when the next replay overwrites its output."""
-    import graphgear.compilers.inductor as gi
     from graphgear.compilers.mkl_pack import mkl_packing_available
 
     if not mkl_packing_available():
         pytest.skip("this torch has no MKL")
-    used: list[bool] = []
-    real = gi.inductor_compile_fx_inner
-
-    def spy(*args: Any, **kwargs: Any) -> Any:
-        used.append(bool(kwargs.get("cpp_wrapper")))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(gi, "inductor_compile_fx_inner", spy)
+    used = _spy_static_compiles(monkeypatch, lambda gm, kwargs: bool(kwargs.get("cpp_wrapper")))
     torch.manual_seed(0)
     net = _FourLinears()
     ref = _FourLinears()
@@ -151,19 +159,11 @@ def test_item5_threads_replaying_cpp_wrapper_graphs_get_their_own_results(monkey
     """Served (frozen) graphs of four products at 2 to 4 rows are Inductor's C++ wrapper,
     which allocates in C++ and whose outputs the CPU graph copies: four threads starting
     cold together, each with its own rows, get their own results at every step."""
-    import graphgear.compilers.inductor as gi
     from graphgear.compilers.mkl_pack import mkl_packing_available
 
     if not mkl_packing_available():
         pytest.skip("this torch has no MKL")
-    used: list[bool] = []
-    real = gi.inductor_compile_fx_inner
-
-    def spy(*args: Any, **kwargs: Any) -> Any:
-        used.append(bool(kwargs.get("cpp_wrapper")))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(gi, "inductor_compile_fx_inner", spy)
+    used = _spy_static_compiles(monkeypatch, lambda gm, kwargs: bool(kwargs.get("cpp_wrapper")))
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16),
                         nn.ReLU(), nn.Linear(16, 8)).eval()
@@ -182,17 +182,9 @@ def test_frozen_one_row_products_too_wide_to_fuse_stay_aten_products_and_equal_e
     the template's autotuning is not switched on for them. Results equal eager's."""
     import torch._inductor.config as inductor_config
 
-    import graphgear.compilers.inductor as gi
-
-    seen: list[tuple[int, bool]] = []
-    real = gi.inductor_compile_fx_inner
-
-    def spy(gm: Any, *args: Any, **kwargs: Any) -> Any:
-        mkl = len(gm.graph.find_nodes(op="call_function", target=torch.ops.mkl._mkl_linear.default))
-        seen.append((mkl, bool(inductor_config.max_autotune)))
-        return real(gm, *args, **kwargs)
-
-    monkeypatch.setattr(gi, "inductor_compile_fx_inner", spy)
+    seen = _spy_static_compiles(monkeypatch, lambda gm, kwargs: (
+        len(gm.graph.find_nodes(op="call_function", target=torch.ops.mkl._mkl_linear.default)),
+        bool(inductor_config.max_autotune)))
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 2304), nn.ReLU(), nn.Linear(2304, 8)).eval()
     f = graphgear.inference.serve(net, make_config("reduce-overhead", warmup_iters=0))
