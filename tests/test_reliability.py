@@ -489,7 +489,8 @@ def _release_from_another_thread(engine: Any) -> None:
     t.join()
 
 
-@pytest.mark.parametrize("moment", ["before-replay", "during-replay", "during-capture"])
+@pytest.mark.parametrize("moment", ["before-replay", "during-replay", "during-replay-generated-code",
+                                    "during-capture"])
 def test_item2_release_from_another_thread_mid_call_keeps_results_right(
         moment: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """graphgear's part of ``reset()`` (an engine's ``release()``: its captures and its
@@ -504,6 +505,8 @@ def test_item2_release_from_another_thread_mid_call_keeps_results_right(
     calls ``torch.compiler.reset()``, which crashes the process when another thread
     runs any compiled function (torch 2.13, every backend, ``eager`` included)."""
     torch.manual_seed(0)
+    if moment == "during-replay-generated-code":  # no kernel-call replay: the code runs
+        monkeypatch.setattr(CPUGraph, "_build_program", lambda self, outs=None: None)
     net = PadNet().eval()
     f = torch.compile(net, backend=_ro())
     x = torch.randn(4, 8)
@@ -529,10 +532,26 @@ def test_item2_release_from_another_thread_mid_call_keeps_results_right(
             return orig_inv(self, *a, **k)
 
         monkeypatch.setattr(MemoryPool, "invalidate", invalidate)
-    elif moment == "during-replay":  # the replay has read its record
+    elif moment == "during-replay":  # the replay has read its kernel calls
         orig_replay = CPUGraph.replay
 
         def replay(self: CPUGraph) -> Any:
+            assert self.program is not None, "this graph should replay as kernel calls"
+            calls = self.program.calls
+            fn, a, kw = calls[0]
+            self.program.calls = [((lambda *x, **k: (once(), fn(*x, **k))[1]), a, kw)] + calls[1:]
+            try:
+                return orig_replay(self)
+            finally:
+                if self.program is not None:
+                    self.program.calls = calls
+
+        monkeypatch.setattr(CPUGraph, "replay", replay)
+    elif moment == "during-replay-generated-code":  # the replay has read its record
+        orig_replay = CPUGraph.replay
+
+        def replay(self: CPUGraph) -> Any:
+            assert self.program is None
             run = self.executor.run
             self.executor.run = lambda a: (once(), run(a))[1]
             try:

@@ -51,11 +51,13 @@ from torch import fx
 
 from .._torch import (
     INDUCTOR_ALLOC_NAMES,
+    StraightLine,
     inductor_callable,
     inductor_is_cpp_wrapper,
+    inductor_straight_line,
     inductor_wrapper_globals,
 )
-from .pool import MemoryPool
+from .pool import Arena, MemoryPool
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +110,7 @@ class CPUExecutor:
                  static_idx: Sequence[int], name: str, compile_static: StaticCompiler | None) -> None:
         self.native = False
         self.slot: threading.local | None = None
+        self.straight: StraightLine | None = None
         try:
             if compile_static is None:
                 raise RuntimeError("no native compiler was given")
@@ -125,6 +128,10 @@ class CPUExecutor:
             self.run: Callable[[list[Any]], Any] = inductor_callable(compiled)
             if g is not None:
                 self.slot = _allocator_switch(g, next(n for n in INDUCTOR_ALLOC_NAMES if n in g))
+                self.straight = inductor_straight_line(compiled)
+                log.debug("graphgear: %s: generated code %s", name,
+                          "replays as a list of kernel calls" if self.straight is not None
+                          else "is not straight-line; each replay runs it")
             elif inductor_is_cpp_wrapper(compiled):
                 # Inductor's C++ wrapper (chosen by the compiler for graphs of many extern
                 # calls): it allocates in C++; the outputs are copied to static buffers
@@ -156,6 +163,9 @@ class CPUGraph:
         self.record: list[torch.Tensor] = []
         self.native = executor.native
         self._out_copy: list[tuple[int, torch.Tensor]] = []
+        # the replay as a list of kernel calls (straight-line generated code), or None
+        self.program: _Program | None = None
+        self._arena: Arena | None = None
         self.nbytes = 0
         self.released = False
 
@@ -181,6 +191,7 @@ class CPUGraph:
             self.nbytes += nbytes_of(o.size(), o.stride(), o.dtype)
             self._out_copy.append((i, static))
             result[i] = static
+        self.program = self._build_program(outs)
         return result
 
     def _record_run(self) -> list[Any]:
@@ -192,6 +203,7 @@ class CPUGraph:
         # one arena for the whole capture: graphgear.reset() in another thread may
         # release the pool meanwhile; this capture then completes in its own memory
         pool, record, arena = self.pool, self.record, self.pool.arena()
+        self._arena = arena
 
         def recording_alloc(size: Sequence[int], stride: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
             n = nbytes_of(size, stride, dtype)
@@ -209,9 +221,47 @@ class CPUGraph:
         self.nbytes += sum(nbytes_of(t.size(), t.stride(), t.dtype) for t in record)
         return outs
 
+    def _build_program(self, outs: Sequence[Any] | None = None) -> _Program | None:
+        """The replay as a list of kernel calls on the bound arguments and the record,
+        where the generated code is straight-line (``_torch.inductor_straight_line``);
+        None otherwise, or where reading it does not give back the capture's own
+        allocations (size, strides, dtype, count) and outputs (memory, size, strides)."""
+        sl, arena = self.executor.straight, self._arena
+        if sl is None or arena is None or self.released:
+            return None
+        try:
+            prog = _Program.build(sl, self.args, self.record)
+        except (KeyError, StopIteration, RuntimeError, TypeError, ValueError) as e:
+            log.debug("graphgear: %s: no kernel-call replay (%s: %s)", self.name, type(e).__name__, e)
+            return None
+        if prog is None:
+            return None
+        if outs is not None and not prog.same_outputs(outs):
+            log.debug("graphgear: %s: no kernel-call replay (its outputs differ from the capture's)", self.name)
+            return None
+        for index, view in prog.views:  # a block that grows moves these views with it
+            self.pool.register(index, view, arena)
+        return prog
+
     def rebind(self, i: int, t: torch.Tensor) -> None:
-        """Bind argument ``i`` to ``t`` (same size and strides) from the next replay on."""
+        """Bind argument ``i`` to ``t`` from the next replay on (the kernel-call replay
+        is rebuilt on it). ``t`` must have the bound tensor's size, strides, dtype and
+        device: the code was compiled for them."""
+        old = self.args[i]
+        if isinstance(old, torch.Tensor) and (
+                t.size() != old.size() or t.stride() != old.stride() or t.dtype != old.dtype
+                or t.device != old.device):
+            raise RuntimeError(
+                f"graphgear: the CPU graph of {self.name} was captured with input #{i} of size "
+                f"{tuple(old.size())}, strides {old.stride()}, {old.dtype} on {old.device}; it was "
+                f"called with size {tuple(t.size())}, strides {t.stride()}, {t.dtype} on {t.device} "
+                f"at a new address. Its code is compiled for the first layout, and dynamo's guards "
+                f"should have sent this call to another graph: this is a graphgear bug; report it. "
+                f"Until then pass the input with the layout it was captured with (for example "
+                f".contiguous()).")
         self.args[i] = t
+        if self.program is not None:
+            self.program = self._build_program()
 
     # ---- replay --------------------------------------------------------------------
     def replay(self) -> list[Any] | None:
@@ -221,12 +271,19 @@ class CPUGraph:
         The bound inputs, the record and the output copies are read once: a release
         meanwhile replaces them (it never empties them in place), so this replay runs
         whole on what it read, in memory its record keeps alive."""
-        args, record, out_copy = self.args, self.record, self._out_copy
+        args, record, out_copy, prog = self.args, self.record, self._out_copy, self.program
         if self.released:
             return None
         ex = self.executor
         slot = ex.slot
-        if slot is None:
+        if prog is not None:
+            for fn, a, kw in prog.calls:
+                if kw is None:
+                    fn(*a)
+                else:
+                    fn(*a, **kw)
+            outs = list(prog.outs)
+        elif slot is None:
             outs = list(ex.run(list(args)))
         else:
             it = iter(record)
@@ -258,3 +315,88 @@ class CPUGraph:
         self.args = []
         self.record = []
         self._out_copy = []
+        self.program = None
+
+
+class _Program:
+    """A capture's replay as a fixed list of kernel calls: the generated code read as
+    straight-line code (:class:`~graphgear._torch.StraightLine`) and evaluated once on
+    the bound arguments and the record. A replay then calls each kernel on the same
+    tensors, with no allocation, view or Python frame of the generated code per replay.
+
+    ``views``: the views it made of record buffers, with their block index (the pool
+    moves them with the block when it grows, as it moves the record)."""
+
+    __slots__ = ("calls", "outs", "views")
+
+    def __init__(self, calls: list[tuple[Any, tuple[Any, ...], dict[str, Any] | None]],
+                 outs: list[Any], views: list[tuple[int, torch.Tensor]]) -> None:
+        self.calls = calls
+        self.outs = outs
+        self.views = views
+
+    @classmethod
+    def build(cls, sl: StraightLine, args: Sequence[Any], record: Sequence[torch.Tensor]) -> _Program | None:
+        passed = list(args) if sl.keep is None else [args[i] for i in sl.keep]
+        if len(passed) != len(sl.params):
+            return None
+        env: dict[str, Any] = dict(zip(sl.params, passed))
+        block: dict[str, int] = {}  # local name -> record block its memory is
+        views: list[tuple[int, torch.Tensor]] = []
+
+        def view(src: str, size: Any, stride: Any, offset: int) -> torch.Tensor:
+            v = sl.reinterpret(env[src], size, stride, offset)
+            if src in block:
+                views.append((block[src], v))
+            return v
+
+        def value(spec: tuple[Any, ...]) -> Any:
+            if spec[0] == "name":
+                return env[spec[1]]
+            if spec[0] == "value":
+                return spec[1]
+            return view(*spec[1:])
+
+        calls: list[tuple[Any, tuple[Any, ...], dict[str, Any] | None]] = []
+        k = 0
+        for st in sl.steps:
+            kind = st[0]
+            if kind == "alloc":
+                if k >= len(record):
+                    return None
+                t = record[k]
+                if tuple(t.size()) != tuple(st[2]) or tuple(t.stride()) != tuple(st[3]) or t.dtype != st[4]:
+                    return None
+                env[st[1]] = t
+                block[st[1]] = k
+                k += 1
+            elif kind == "view":
+                env[st[1]] = view(*st[2:])
+                if st[2] in block:
+                    block[st[1]] = block[st[2]]
+            elif kind == "alias":
+                env[st[1]] = env[st[2]]
+                if st[2] in block:
+                    block[st[1]] = block[st[2]]
+            elif kind == "del":
+                for name in st[1]:
+                    env.pop(name, None)
+                    block.pop(name, None)
+            else:
+                kw = {n: value(v) for n, v in st[3].items()} or None
+                calls.append((st[1], tuple(value(a) for a in st[2]), kw))
+        if k != len(record):
+            return None
+        outs = [value(o) for o in sl.outs]
+        return cls(calls, outs, views)
+
+    def same_outputs(self, outs: Sequence[Any]) -> bool:
+        """Whether these are the capture's outputs: same memory, size, strides, dtype."""
+        if len(outs) != len(self.outs):
+            return False
+        for a, b in zip(self.outs, outs):
+            if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+                return False
+            if (a.data_ptr(), a.size(), a.stride(), a.dtype) != (b.data_ptr(), b.size(), b.stride(), b.dtype):
+                return False
+        return True

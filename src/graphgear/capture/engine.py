@@ -139,6 +139,8 @@ class _Entry:
     uncaptured: bool = False
     copy_idx: list[int] = dataclasses.field(default_factory=list)
     alias_out: list[bool] = dataclasses.field(default_factory=list)
+    # each output's last hand-out (pool.hand_out gives its alias out again when unused)
+    handouts: list[Any] = dataclasses.field(default_factory=list)
     bound_refs: list[StorageWeakRef] = dataclasses.field(default_factory=list)
     recapture: bool = False  # a key seen before with inputs used in place elsewhere
 
@@ -485,9 +487,14 @@ class CaptureEngine:
             return [o.clone() if isinstance(o, torch.Tensor) else o for o in outs]
         res = list(outs)
         pool = self.pool
+        last = e.handouts
+        if len(last) != len(res):
+            last[:] = [None] * len(res)
         for i, a in enumerate(e.alias_out):
             if a:
-                res[i] = pool.hand_out(res[i], arena)
+                h = pool.hand_out(res[i], arena, last[i])
+                last[i] = h
+                res[i] = h.held
         return res
 
     # ---- release ---------------------------------------------------------------------

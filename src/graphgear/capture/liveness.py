@@ -19,6 +19,17 @@ Poisoning is ``c10::StorageImpl::release_data_and_set_meta_custom_data_ptr_error
   clones every output instead (``clone_output=True``), with one warning: slower, never
   wrong.
 
+**Handing an output out again.** Most callers drop an output before the next step (a
+decode loop keeps the token it sampled, not the logits). The graph then keeps the alias
+it handed out (:attr:`Handout.held`) and, when the next replay comes, checks that
+nothing but graphgear still reaches it: no Python reference (``sys.getrefcount``), no C++
+owner of its ``TensorImpl`` (a view's base, an autograd node's saved tensor), no other
+user of its storage (a view, a NumPy array, a Python storage object), no weak reference,
+and its metadata as handed out (no ``requires_grad_()``, ``.grad``, attribute or in-place
+view op since). Such an alias is not poisoned but handed out again by the next replay of
+its graph, as cudagraph trees do: no new ``StorageImpl`` or ``TensorImpl`` per replay.
+Any alias that fails a check is poisoned as above, and the next replay makes a new one.
+
 Memory stays valid while anything can reach it: a poisoned alias no longer reaches it
 through torch, but a NumPy array (or a raw ``data_ptr()``) taken earlier still points
 into it. :class:`Keeper` therefore holds the memory's owner (the pool block or static
@@ -37,13 +48,21 @@ import os
 import subprocess
 import sys
 import threading
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .._torch import StorageWeakRef, non_owning_storage, storage_id, storage_poisoner_builtin
+from .._torch import (
+    StorageWeakRef,
+    non_owning_storage,
+    storage_id,
+    storage_poisoner_builtin,
+    storage_use_count,
+    tensor_use_count,
+)
 from ..cachedir import default_cache_root, unsafe_reason
 
 log = logging.getLogger(__name__)
@@ -174,15 +193,52 @@ def alias(static: torch.Tensor) -> torch.Tensor:
 
 class Handout:
     """One output handed out: a weak reference to its alias storage and a strong one to
-    the memory's owner (kept until the alias storage is gone)."""
+    the memory's owner (kept until the alias storage is gone).
 
-    __slots__ = ("owner", "ptr", "ref")
+    ``recycle=True`` (the capture engine's hand-outs): ``held`` keeps the alias tensor
+    itself, so that the next replay can hand it out again when nothing else reaches it
+    (:meth:`unused`); ``free`` says the last invalidation found it so."""
 
-    def __init__(self, alias_tensor: torch.Tensor, owner: torch.UntypedStorage) -> None:
+    __slots__ = ("free", "held", "owner", "ptr", "ref", "uses")
+
+    def __init__(self, alias_tensor: torch.Tensor, owner: torch.UntypedStorage, *,
+                 recycle: bool = False) -> None:
         st = alias_tensor.untyped_storage()
         self.ref = StorageWeakRef(st)
         self.ptr = st.data_ptr()
         self.owner = owner
+        del st
+        self.held: torch.Tensor | None = alias_tensor if recycle else None
+        self.free = False
+        # the storage's users as handed out: the alias's TensorImpl (and the Python
+        # storage object torch keeps with it once one was made)
+        self.uses = storage_use_count(self.ref.cdata) if recycle else 0
+
+    def unused(self) -> bool:
+        """Whether nothing but this hand-out reaches the held alias (see the module
+        docstring); False when none is held."""
+        t = self.held
+        if t is None:
+            return False
+        # references: self.held, the local name t, getrefcount's argument
+        return (sys.getrefcount(t) == 3 and tensor_use_count(t) == 1
+                and storage_use_count(self.ref.cdata) == self.uses
+                and not weakref.getweakrefcount(t) and not t.requires_grad
+                and t.grad is None and not t.__dict__)
+
+    def alive(self) -> bool:
+        """Whether the caller may still read the output (a held alias nothing else
+        reaches is not)."""
+        if self.held is not None:
+            return not self.unused()
+        return not self.ref.expired()
+
+    def matches(self, static: torch.Tensor) -> bool:
+        """Whether the held alias still has ``static``'s memory, size and strides (a
+        graph's static output; an in-place view op or ``set_`` since makes it differ)."""
+        t = self.held
+        return (t is not None and t.data_ptr() == static.data_ptr() and t.size() == static.size()
+                and t.stride() == static.stride() and t.dtype == static.dtype)
 
 
 class Keeper:
@@ -214,13 +270,26 @@ class Keeper:
 KEEPER = Keeper()
 
 
+def recycle_unused(handed: list[Handout]) -> list[Handout]:
+    """Mark ``free`` every hand-out whose held alias nothing else reaches (its graph
+    hands it out again, unpoisoned); returns the others, which need poisoning."""
+    rest = []
+    for h in handed:
+        if h.held is not None and h.unused():
+            h.free = True
+        else:
+            rest.append(h)
+    return rest
+
+
 def poison_all(handed: list[Handout], msg: str, poison: Callable[[int, str], None],
                kept: list[Handout]) -> int:
     """Poison every alias in ``handed`` that is still alive and append it to ``kept``
-    (whose owner keeps the memory until the alias is gone; see :class:`Keeper`).
-    Returns how many were poisoned."""
+    (whose owner keeps the memory until the alias is gone; see :class:`Keeper`); each
+    hand-out lets go of its held alias first. Returns how many were poisoned."""
     n = 0
     for h in handed:
+        h.held = None
         st = h.ref()  # a strong reference while poisoning (another thread may drop it)
         if st is None:
             continue

@@ -46,6 +46,8 @@ _RESET_MSG = (
 
 
 def _keep_at_end(kept: list[liveness.Handout], handed: list[liveness.Handout]) -> None:
+    for h in handed:  # held aliases nothing else reaches die here
+        h.held = None
     liveness.KEEPER.hold(kept + [h for h in handed if not h.ref.expired()])
 
 
@@ -165,7 +167,10 @@ class MemoryPool:
     def register(self, index: int, t: torch.Tensor, arena: Arena | None = None) -> None:
         """Note that ``t`` lives on block ``index`` (of ``arena``, as :meth:`block`), so
         that growing the block moves it."""
-        (arena or self.arena()).views[index].append(weakref.ref(t))
+        refs = (arena or self.arena()).views[index]
+        if len(refs) >= 64:  # rebuilt replays (a rebound input) leave dead ones behind
+            refs[:] = [r for r in refs if r() is not None]
+        refs.append(weakref.ref(t))
 
     @property
     def nbytes(self) -> int:
@@ -173,16 +178,25 @@ class MemoryPool:
         return sum(a.nbytes for a in list(self._arenas.values()))
 
     # ---- output liveness ---------------------------------------------------------
-    def hand_out(self, static: torch.Tensor, arena: Arena | None = None) -> torch.Tensor:
-        """An alias of ``static`` (pool memory) for the user, tracked for
-        :meth:`invalidate`; ``arena``: the calling thread's, when the caller has it."""
-        t = liveness.alias(static)
-        (arena or self.arena()).handed.append(liveness.Handout(t, static.untyped_storage()))
-        return t
+    def hand_out(self, static: torch.Tensor, arena: Arena | None = None,
+                 last: liveness.Handout | None = None) -> liveness.Handout:
+        """Hand ``static`` (pool memory) out to the user through an alias, tracked for
+        :meth:`invalidate`; ``arena``: the calling thread's, when the caller has it.
+        ``last``: this output's previous hand-out; its alias is handed out again when the
+        last invalidation found nothing else reaching it (``liveness`` module docstring).
+        Returns the hand-out; the alias is its ``held``."""
+        a = arena or self.arena()
+        if last is not None and last.free and last.matches(static):
+            last.free = False
+            a.handed.append(last)
+            return last
+        h = liveness.Handout(liveness.alias(static), static.untyped_storage(), recycle=True)
+        a.handed.append(h)
+        return h
 
     def handed_ptrs(self) -> set[int]:
         """Data pointers of the calling thread's outputs that are still valid."""
-        return {h.ptr for h in self.arena().handed if not h.ref.expired()}
+        return {h.ptr for h in self.arena().handed if h.alive()}
 
     def invalidate(self, msg: str, arena: Arena | None = None) -> int:
         """Poison every output the calling thread was handed that is still alive;
@@ -190,7 +204,9 @@ class MemoryPool:
         a = arena or self.arena()
         if not a.handed:
             return 0
-        handed = a.take_handed()
+        handed = liveness.recycle_unused(a.take_handed())
+        if not handed:
+            return 0
         poison = liveness.poisoner()
         if poison is None:
             return 0
@@ -202,6 +218,8 @@ class MemoryPool:
         poison = liveness.poisoner() if handed else None
         if poison is not None:
             liveness.poison_all(handed, _RESET_MSG, poison, a.kept)
+        for h in handed:  # (poison_all let go of them already where it ran)
+            h.held = None
         kept, a.kept[:] = list(a.kept), []
         liveness.KEEPER.hold(kept)
         # The arena is out of the pool now; its blocks are freed with it, when the last

@@ -1,0 +1,254 @@
+"""The CPU graph's replay paths, probed as a user would: the kernel-call replay
+(straight-line generated code replayed as a fixed list of kernel calls) and outputs
+handed out again when nothing but graphgear reaches them. Each result is checked
+against eager PyTorch; each way a caller can still reach an output (a reference, a view,
+a weak reference, an autograd node, changed metadata) must stop it being handed out
+again, and the output then goes stale as before."""
+
+from __future__ import annotations
+
+import gc
+import sys
+import weakref
+from typing import Any
+
+import pytest
+import torch
+
+import graphgear
+from graphgear.capture import CaptureEngine
+from graphgear.capture.cpu_graph import CPUGraph
+from tests.helpers import assert_close
+from tests.helpers import last_record as _rec
+from tests.helpers import make_backend as _ro
+from tests.models import CacheWriter, Net
+
+pytestmark = pytest.mark.inductor
+
+
+def _graphs() -> list[CPUGraph]:
+    """The CPU graphs captured for the last compiled graph (by its engines: one per gear)."""
+    rec = _rec()
+    engines = [o for o in gc.get_objects() if type(o) is CaptureEngine and o.record is rec]
+    return [e.graph for en in engines for e in en.entries.values() if e.graph is not None]
+
+
+# ---- kernel-call replay ----------------------------------------------------------------
+
+
+@torch.no_grad()
+def test_straight_line_code_replays_as_kernel_calls_with_the_cache_written_in_place() -> None:
+    """The generated code of this graph is straight-line: its replays are a list of
+    kernel calls. Outputs and the cache (written in place) equal eager at every step,
+    also after the cache moves (the calls are rebuilt on the new cache)."""
+    torch.manual_seed(0)
+    net, ref = CacheWriter(), CacheWriter()
+    ref.load_state_dict(net.state_dict())
+    f = torch.compile(net, backend=_ro(warmup_iters=0))
+    cache, ref_cache = torch.zeros(4, 8), torch.zeros(4, 8)
+    for p in range(4):
+        x = torch.randn(1, 8)
+        assert_close(f(x, torch.tensor([p]), cache), ref(x, torch.tensor([p]), ref_cache), reduction=8)
+        assert_close(cache, ref_cache, reduction=8)
+    (g,) = _graphs()
+    assert g.program is not None and g.program.calls, "the straight-line code should replay as kernel calls"
+    cache, ref_cache = torch.ones(4, 8), torch.ones(4, 8)  # moved: rebound, calls rebuilt
+    for p in range(4):
+        x = torch.randn(1, 8)
+        assert_close(f(x, torch.tensor([p]), cache), ref(x, torch.tensor([p]), ref_cache), reduction=8)
+        assert_close(cache, ref_cache, reduction=8)
+    assert g.program is not None
+    assert sum(r.rebinds for r in graphgear.stats().graphs) == 1
+    assert sum(r.captures for r in graphgear.stats().graphs) == 1
+
+
+@torch.no_grad()
+def test_rebinding_an_input_of_other_strides_is_refused_with_a_clear_error() -> None:
+    torch.manual_seed(0)
+    f = torch.compile(CacheWriter(), backend=_ro(warmup_iters=0))
+    f(torch.randn(1, 8), torch.tensor([0]), torch.zeros(4, 8))
+    (g,) = _graphs()
+    i = next(k for k, a in enumerate(g.args) if isinstance(a, torch.Tensor) and a.shape == (4, 8))
+    with pytest.raises(RuntimeError, match=r"strides .*\(1, 4\).*graphgear bug"):
+        g.rebind(i, torch.zeros(8, 4).t())
+
+
+class TwoLinear3d(torch.nn.Module):
+    """Two linear layers over a 3-d input: the second product reads a view
+    (``reinterpret_tensor``) of the first's buffer, and the output is a view too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+def test_kernel_call_replay_follows_the_pool_when_its_blocks_grow() -> None:
+    """A capture at a larger gear grows the pool's blocks and moves the earlier
+    capture's buffers; the earlier capture's kernel calls (views of those buffers made
+    when they were built) move with them: its replays still equal eager."""
+    torch.manual_seed(0)
+    net = TwoLinear3d()
+    f = torch.compile(net, backend=_ro(warmup_iters=0))
+    small, big = torch.randn(2, 3, 8), torch.randn(64, 3, 8)
+    graphgear.set_dim_gears(small, {0: [2, 64]})
+    graphgear.set_dim_gears(big, {0: [2, 64]})
+    with torch.inference_mode():
+        assert_close(f(small), net(small), reduction=8)
+        assert_close(f(big), net(big), reduction=8)  # grows the blocks
+        for _ in range(2):  # new values each time: stale memory would show
+            small.normal_()
+            big.normal_()
+            assert_close(f(small), net(small), reduction=8)
+            assert_close(f(big), net(big), reduction=8)
+    graphs = _graphs()
+    assert len(graphs) == 2 and all(g.program is not None for g in graphs)
+
+
+# ---- outputs handed out again ------------------------------------------------------------
+
+
+@torch.no_grad()
+def test_a_dropped_output_is_handed_out_again_with_the_new_values() -> None:
+    net = Net()
+    f = torch.compile(net, backend=_ro(warmup_iters=0))
+    ids = set()
+    for _ in range(5):
+        x = torch.randn(2, 8)
+        out = f(x)
+        assert_close(out, net(x), reduction=8)
+        ids.add(id(out))
+        del out
+    assert len(ids) == 1, "an output nobody holds should be handed out again"
+
+
+@torch.no_grad()
+def test_a_held_output_is_not_handed_out_again_and_goes_stale() -> None:
+    net = Net()
+    f = torch.compile(net, backend=_ro(warmup_iters=0))
+    x1, x2 = torch.randn(2, 8), torch.randn(2, 8)
+    f(x1)
+    kept = f(x1)
+    out2 = f(x2)
+    assert out2 is not kept
+    with pytest.raises(RuntimeError, match="overwritten"):
+        kept + 0
+    assert_close(out2, net(x2), reduction=8)
+
+
+_REACHES = {
+    "view": lambda t: t[0],
+    "slice": lambda t: t[:, 1:],
+    "storage": lambda t: t.untyped_storage(),
+    "numpy": lambda t: t.numpy(),
+    "container": lambda t: [t],
+}
+
+
+@pytest.mark.parametrize("grad_mode", [torch.no_grad, torch.inference_mode])
+@pytest.mark.parametrize("reach", list(_REACHES.values()), ids=list(_REACHES))
+def test_an_output_still_reached_otherwise_is_never_handed_out_again(reach: Any, grad_mode: Any) -> None:
+    """Under inference_mode a view keeps no ``_base`` (the output's reference count does
+    not change): only the storage's user count shows it."""
+    net = Net()
+    f = torch.compile(net, backend=_ro(warmup_iters=0))
+    x1, x2 = torch.randn(2, 8), torch.randn(2, 8)
+    with grad_mode():
+        f(x1)
+        out = f(x1)
+        want1 = out.clone()
+        held = reach(out)
+        first = id(out)
+        del out
+        out2 = f(x2)
+        assert_close(out2, net(x2), reduction=8)
+        if isinstance(held, torch.Tensor):  # a view: stale, never the new values
+            with pytest.raises(RuntimeError, match="overwritten"):
+                held + 0
+        elif isinstance(held, list):  # the tensor itself, held elsewhere
+            assert held[0] is not out2 and id(out2) != first
+            with pytest.raises(RuntimeError, match="overwritten"):
+                held[0] + 0
+        del held
+        assert_close(want1, net(x1), reduction=8)
+
+
+@torch.no_grad()
+def test_a_weakly_referenced_output_is_not_handed_out_again() -> None:
+    net = Net()
+    f = torch.compile(net, backend=_ro(warmup_iters=0))
+    x1, x2 = torch.randn(2, 8), torch.randn(2, 8)
+    f(x1)
+    out = f(x1)
+    ref = weakref.ref(out)
+    del out
+    out2 = f(x2)
+    assert ref() is None or ref() is not out2, "a weak reference must not see the next output"
+    assert_close(out2, net(x2), reduction=8)
+
+
+_CHANGES = {
+    "unsqueeze_": lambda t: t.unsqueeze_(0),
+    "t_": lambda t: t.t_(),
+    "requires_grad_": lambda t: t.requires_grad_(),
+    "attribute": lambda t: setattr(t, "note", 1),
+    "grad": lambda t: setattr(t, "grad", torch.zeros_like(t)),
+}
+
+
+@pytest.mark.parametrize("change", list(_CHANGES.values()), ids=list(_CHANGES))
+def test_an_output_changed_in_place_then_dropped_comes_back_as_a_fresh_output(change: Any) -> None:
+    net = Net()
+    f = torch.compile(net, backend=_ro(warmup_iters=0))
+    x1, x2 = torch.randn(2, 8), torch.randn(2, 8)
+    with torch.no_grad():
+        f(x1)
+        out = f(x1)
+        shape = out.shape
+        change(out)
+        del out
+        out2 = f(x2)
+    assert out2.shape == shape and not out2.requires_grad and out2.grad is None
+    assert not hasattr(out2, "note")
+    assert_close(out2, net(x2), reduction=8)
+
+
+def test_an_output_an_autograd_node_saved_is_not_handed_out_again() -> None:
+    """The output, used by a product that autograd saves for backward, then dropped:
+    only the autograd node reaches it. It must not be handed out (and overwritten)
+    again; backward then raises the stale-output error instead of using new values."""
+    net = Net()
+    f = torch.compile(net, backend=_ro(warmup_iters=0))
+    x1, x2 = torch.randn(2, 8), torch.randn(2, 8)
+    w = torch.ones(2, 8, requires_grad=True)
+    with torch.no_grad():
+        f(x1)
+        out = f(x1)
+    loss = (w * out).sum()  # saves out for w's gradient
+    first = id(out)
+    del out
+    with torch.no_grad():
+        out2 = f(x2)
+    assert id(out2) != first
+    assert_close(out2, net(x2), reduction=8)
+    with pytest.raises(RuntimeError, match="overwritten"):
+        loss.backward()
+
+
+@torch.no_grad()
+def test_hand_out_again_keeps_reference_counts_as_they_were() -> None:
+    """After many steps whose outputs are dropped, nothing leaks: the output's
+    reference count is the caller's own, and the pool keeps no poisoned hand-outs."""
+    f = torch.compile(Net(), backend=_ro(warmup_iters=0))
+    x = torch.randn(2, 8)
+    for _ in range(50):
+        f(x)
+    out = f(x)
+    assert sys.getrefcount(out) == 3  # out, the argument, the engine's hand-out
+    rec = _rec()
+    (engine,) = [o for o in gc.get_objects() if type(o) is CaptureEngine and o.record is rec]
+    arena = engine.pool.arena()
+    assert len(arena.handed) == 1 and not arena.kept
