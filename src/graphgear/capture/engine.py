@@ -141,6 +141,7 @@ class _Entry:
     alias_out: list[bool] = dataclasses.field(default_factory=list)
     # each output's last hand-out (pool.hand_out gives its alias out again when unused)
     handouts: list[Any] = dataclasses.field(default_factory=list)
+    alias_idx: list[int] = dataclasses.field(default_factory=list)  # where alias_out is true
     bound_refs: list[StorageWeakRef] = dataclasses.field(default_factory=list)
     recapture: bool = False  # a key seen before with inputs used in place elsewhere
 
@@ -198,8 +199,9 @@ class CaptureEngine:
 
     # ---- keys and entries ------------------------------------------------------------
     def _key(self, args: Sequence[Any]) -> tuple[Any, ...]:
-        key = (threading.get_ident(), tuple(args[i].data_ptr() for i in self.key_idx),
-               tuple(args[i] for i in self.scalar_idx))
+        key = (threading.get_ident(),
+               tuple(args[i].data_ptr() for i in self.key_idx) if self.key_idx else (),
+               tuple(args[i] for i in self.scalar_idx) if self.scalar_idx else ())
         if not self.rebindable:
             key += (tuple(args[i].data_ptr() if isinstance(args[i], torch.Tensor) else None
                           for i in self.tracked_idx),)
@@ -236,8 +238,10 @@ class CaptureEngine:
     def __call__(self, args: list[Any]) -> list[Any]:
         self.calls += 1
         arena = self.pool.arena()
-        if self.tracked_idx and arena.handed:
-            self._stage_fed_back(args)
+        if arena.handed:
+            self.pool.recycle(arena)  # outputs the caller dropped: handed out again
+            if self.tracked_idx and arena.handed:
+                self._stage_fed_back(args)
         key = self._key(args)
         e = self.entries.get(key)
         if e is None:
@@ -490,11 +494,11 @@ class CaptureEngine:
         last = e.handouts
         if len(last) != len(res):
             last[:] = [None] * len(res)
-        for i, a in enumerate(e.alias_out):
-            if a:
-                h = pool.hand_out(res[i], arena, last[i])
-                last[i] = h
-                res[i] = h.held
+            e.alias_idx = [i for i, a in enumerate(e.alias_out) if a]
+        for i in e.alias_idx:
+            h = pool.hand_out(res[i], arena, last[i])
+            last[i] = h
+            res[i] = h.held
         return res
 
     # ---- release ---------------------------------------------------------------------

@@ -199,7 +199,7 @@ class Handout:
     itself, so that the next replay can hand it out again when nothing else reaches it
     (:meth:`unused`); ``free`` says the last invalidation found it so."""
 
-    __slots__ = ("free", "held", "owner", "ptr", "ref", "uses")
+    __slots__ = ("free", "held", "owner", "ptr", "ref", "shape", "strides", "start", "uses")
 
     def __init__(self, alias_tensor: torch.Tensor, owner: torch.UntypedStorage, *,
                  recycle: bool = False) -> None:
@@ -210,6 +210,10 @@ class Handout:
         del st
         self.held: torch.Tensor | None = alias_tensor if recycle else None
         self.free = False
+        # where, and as what, the alias was handed out
+        self.start = alias_tensor.data_ptr()
+        self.shape = alias_tensor.size()
+        self.strides = alias_tensor.stride()
         # the storage's users as handed out: the alias's TensorImpl (and the Python
         # storage object torch keeps with it once one was made)
         self.uses = storage_use_count(self.ref.cdata) if recycle else 0
@@ -234,11 +238,13 @@ class Handout:
         return not self.ref.expired()
 
     def matches(self, static: torch.Tensor) -> bool:
-        """Whether the held alias still has ``static``'s memory, size and strides (a
-        graph's static output; an in-place view op or ``set_`` since makes it differ)."""
+        """Whether the held alias can stand for ``static`` (its graph's output, of the
+        size and strides of every replay): ``static`` is where it was (a pool block
+        that grew moves it), and the alias is as handed out (an in-place view op or
+        ``set_`` since makes it differ)."""
         t = self.held
-        return (t is not None and t.data_ptr() == static.data_ptr() and t.size() == static.size()
-                and t.stride() == static.stride() and t.dtype == static.dtype)
+        return (t is not None and static.data_ptr() == self.start and t.data_ptr() == self.start
+                and t.size() == self.shape and t.stride() == self.strides)
 
 
 class Keeper:

@@ -194,6 +194,14 @@ class MemoryPool:
         a.handed.append(h)
         return h
 
+    def recycle(self, arena: Arena | None = None) -> None:
+        """Free, for their graphs to hand out again, the calling thread's hand-outs that
+        nothing but graphgear reaches (``liveness`` module docstring); the others stay
+        handed out (and :meth:`invalidate` poisons them)."""
+        a = arena or self.arena()
+        if a.handed:
+            a.handed[:] = liveness.recycle_unused(a.handed)
+
     def handed_ptrs(self) -> set[int]:
         """Data pointers of the calling thread's outputs that are still valid."""
         return {h.ptr for h in self.arena().handed if h.alive()}
