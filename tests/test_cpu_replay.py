@@ -252,3 +252,48 @@ def test_hand_out_again_keeps_reference_counts_as_they_were() -> None:
     (engine,) = [o for o in gc.get_objects() if type(o) is CaptureEngine and o.record is rec]
     arena = engine.pool.arena()
     assert len(arena.handed) == 1 and not arena.kept
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_served_transformers_decoder_replays_kernel_calls_and_recycles_its_logits() -> None:
+    """A served transformers Qwen2 at batch 1: the decode step's generated code is
+    straight-line (one fused kernel) and replays as kernel calls; logits a caller drops
+    come back as the next step's logits. Logits and the KV cache equal eager at every
+    step, and a step's logits that the caller keeps go stale, never silently change."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM, StaticCache
+
+    cfg = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model, ref = Qwen2ForCausalLM(cfg).eval(), Qwen2ForCausalLM(cfg).eval()
+    ref.load_state_dict(model.state_dict())
+    f = graphgear.inference.serve(model)
+    cache, ref_cache = StaticCache(config=cfg, max_cache_len=16), StaticCache(config=cfg, max_cache_len=16)
+    tok = ref_tok = torch.tensor([[5]])
+    ids = []
+    kept = None
+    for p in range(8):
+        pos = torch.full((1, 1), p)
+        out = f(input_ids=tok, cache=cache, position_ids=pos, use_cache=True).logits
+        want = ref(input_ids=ref_tok, cache=ref_cache, position_ids=pos, use_cache=True).logits
+        assert_close(out, want, reduction=128)
+        assert_close(cache.layers[1].values, ref_cache.layers[1].values, reduction=64)
+        tok, ref_tok = out[:, -1:].argmax(-1), want[:, -1:].argmax(-1)
+        ids.append(id(out))
+        if p == 5:
+            kept = out
+        del out
+    graphs = [g for g in _graphs_of_all() if g.program is not None]
+    assert graphs and all(len(g.program.calls) == 1 for g in graphs), "one fused kernel per step"
+    assert len(set(ids[3:5])) == 1, "dropped logits should come back as the next step's"
+    assert kept is not None and id(kept) not in ids[6:]
+    with pytest.raises(RuntimeError, match="overwritten"):
+        kept + 0
+
+
+def _graphs_of_all() -> list[CPUGraph]:
+    """The CPU graphs of every graph compiled in this test."""
+    recs = [id(r) for r in graphgear.stats().graphs]
+    return [e.graph for o in gc.get_objects() if type(o) is CaptureEngine and id(o.record) in recs
+            for e in o.entries.values() if e.graph is not None]
