@@ -297,3 +297,58 @@ def _graphs_of_all() -> list[CPUGraph]:
     recs = [id(r) for r in graphgear.stats().graphs]
     return [e.graph for o in gc.get_objects() if type(o) is CaptureEngine and id(o.record) in recs
             for e in o.entries.values() if e.graph is not None]
+
+
+@torch.no_grad()
+def test_a_kernel_error_mid_replay_reaches_the_caller_and_the_next_call_is_right() -> None:
+    """An index out of range inside the kernel calls (Inductor's bounds check in the
+    generated C++) raises to the caller as the graph's own error; the graph stays
+    captured and the next valid call equals eager, cache included."""
+    torch.manual_seed(0)
+    net, ref = CacheWriter(), CacheWriter()
+    ref.load_state_dict(net.state_dict())
+    f = torch.compile(net, backend=_ro(warmup_iters=0))
+    cache, ref_cache = torch.zeros(4, 8), torch.zeros(4, 8)
+    x = torch.randn(1, 8)
+    f(x, torch.tensor([0]), cache)
+    ref(x, torch.tensor([0]), ref_cache)
+    (g,) = _graphs()
+    assert g.program is not None
+    with pytest.raises(RuntimeError, match="out of bounds|index"):
+        f(x, torch.tensor([9]), cache)
+    assert_close(cache, ref_cache, reduction=8)
+    for p in (1, 2):
+        x = torch.randn(1, 8)
+        assert_close(f(x, torch.tensor([p]), cache), ref(x, torch.tensor([p]), ref_cache), reduction=8)
+        assert_close(cache, ref_cache, reduction=8)
+    assert sum(r.captures for r in graphgear.stats().graphs) == 1
+
+
+class CacheReturner(torch.nn.Module):
+    """Writes its input into a cache passed in and returns the cache itself and a sum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cache.index_copy_(0, pos, self.lin(x))
+        return cache, cache.sum(0)
+
+
+@torch.no_grad()
+def test_an_output_that_is_the_callers_cache_follows_the_cache_when_it_moves() -> None:
+    torch.manual_seed(0)
+    net, ref = CacheReturner(), CacheReturner()
+    ref.load_state_dict(net.state_dict())
+    f = torch.compile(net, backend=_ro(warmup_iters=0))
+    for _ in range(2):  # the second round's cache is a new one: rebound
+        cache, ref_cache = torch.zeros(4, 8), torch.zeros(4, 8)
+        for p in range(3):
+            x = torch.randn(1, 8)
+            got, s = f(x, torch.tensor([p]), cache)
+            want, ws = ref(x, torch.tensor([p]), ref_cache)
+            assert got.data_ptr() == cache.data_ptr(), "the cache itself, never a copy"
+            assert_close(got, want, reduction=8)
+            assert_close(s, ws, reduction=8)
+    assert sum(r.captures for r in graphgear.stats().graphs) == 1
