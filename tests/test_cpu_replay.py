@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import graphgear
-from graphgear.capture import CaptureEngine
+from graphgear.capture import CaptureEngine, liveness
 from graphgear.capture.cpu_graph import CPUGraph
 from tests.helpers import assert_close
 from tests.helpers import last_record as _rec
@@ -31,6 +31,20 @@ def _graphs() -> list[CPUGraph]:
     rec = _rec()
     engines = [o for o in gc.get_objects() if type(o) is CaptureEngine and o.record is rec]
     return [e.graph for en in engines for e in en.entries.values() if e.graph is not None]
+
+
+def _count_new_aliases(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the aliases the pool makes from now on (``ids`` of outputs cannot tell: a
+    freed tensor's address is reused by the next one)."""
+    made = [0]
+    orig = liveness.alias
+
+    def alias(static: torch.Tensor) -> torch.Tensor:
+        made[0] += 1
+        return orig(static)
+
+    monkeypatch.setattr(liveness, "alias", alias)
+    return made
 
 
 # ---- kernel-call replay ----------------------------------------------------------------
@@ -112,17 +126,16 @@ def test_kernel_call_replay_follows_the_pool_when_its_blocks_grow() -> None:
 
 
 @torch.no_grad()
-def test_a_dropped_output_is_handed_out_again_with_the_new_values() -> None:
+def test_a_dropped_output_is_handed_out_again_with_the_new_values(monkeypatch: pytest.MonkeyPatch) -> None:
     net = Net()
     f = torch.compile(net, backend=_ro(warmup_iters=0))
-    ids = set()
+    made = _count_new_aliases(monkeypatch)
     for _ in range(5):
         x = torch.randn(2, 8)
         out = f(x)
         assert_close(out, net(x), reduction=8)
-        ids.add(id(out))
         del out
-    assert len(ids) == 1, "an output nobody holds should be handed out again"
+    assert made[0] == 1, "an output nobody holds should be handed out again"
 
 
 @torch.no_grad()
@@ -150,7 +163,8 @@ _REACHES = {
 
 @pytest.mark.parametrize("grad_mode", [torch.no_grad, torch.inference_mode])
 @pytest.mark.parametrize("reach", list(_REACHES.values()), ids=list(_REACHES))
-def test_an_output_still_reached_otherwise_is_never_handed_out_again(reach: Any, grad_mode: Any) -> None:
+def test_an_output_still_reached_otherwise_is_never_handed_out_again(reach: Any, grad_mode: Any,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Under inference_mode a view keeps no ``_base`` (the output's reference count does
     not change): only the storage's user count shows it."""
     net = Net()
@@ -161,15 +175,19 @@ def test_an_output_still_reached_otherwise_is_never_handed_out_again(reach: Any,
         out = f(x1)
         want1 = out.clone()
         held = reach(out)
-        first = id(out)
         del out
+        made = _count_new_aliases(monkeypatch)
         out2 = f(x2)
+        assert made[0] == 1, "a reached output must not be handed out again"
         assert_close(out2, net(x2), reduction=8)
         if isinstance(held, torch.Tensor):  # a view: stale, never the new values
             with pytest.raises(RuntimeError, match="overwritten"):
                 held + 0
+        elif isinstance(held, torch.UntypedStorage):  # its storage: poisoned too
+            with pytest.raises(RuntimeError, match="overwritten"):
+                held[0]
         elif isinstance(held, list):  # the tensor itself, held elsewhere
-            assert held[0] is not out2 and id(out2) != first
+            assert held[0] is not out2
             with pytest.raises(RuntimeError, match="overwritten"):
                 held[0] + 0
         del held
@@ -216,7 +234,7 @@ def test_an_output_changed_in_place_then_dropped_comes_back_as_a_fresh_output(ch
     assert_close(out2, net(x2), reduction=8)
 
 
-def test_an_output_an_autograd_node_saved_is_not_handed_out_again() -> None:
+def test_an_output_an_autograd_node_saved_is_not_handed_out_again(monkeypatch: pytest.MonkeyPatch) -> None:
     """The output, used by a product that autograd saves for backward, then dropped:
     only the autograd node reaches it. It must not be handed out (and overwritten)
     again; backward then raises the stale-output error instead of using new values."""
@@ -228,11 +246,11 @@ def test_an_output_an_autograd_node_saved_is_not_handed_out_again() -> None:
         f(x1)
         out = f(x1)
     loss = (w * out).sum()  # saves out for w's gradient
-    first = id(out)
     del out
+    made = _count_new_aliases(monkeypatch)
     with torch.no_grad():
         out2 = f(x2)
-    assert id(out2) != first
+    assert made[0] == 1
     assert_close(out2, net(x2), reduction=8)
     with pytest.raises(RuntimeError, match="overwritten"):
         loss.backward()
@@ -256,7 +274,8 @@ def test_hand_out_again_keeps_reference_counts_as_they_were() -> None:
 
 @pytest.mark.slow
 @torch.no_grad()
-def test_served_transformers_decoder_replays_kernel_calls_and_recycles_its_logits() -> None:
+def test_served_transformers_decoder_replays_kernel_calls_and_recycles_its_logits(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """A served transformers Qwen2 at batch 1: the decode step's generated code is
     straight-line (one fused kernel) and replays as kernel calls; logits a caller drops
     come back as the next step's logits. Logits and the KV cache equal eager at every
@@ -271,7 +290,8 @@ def test_served_transformers_decoder_replays_kernel_calls_and_recycles_its_logit
     f = graphgear.inference.serve(model)
     cache, ref_cache = StaticCache(config=cfg, max_cache_len=16), StaticCache(config=cfg, max_cache_len=16)
     tok = ref_tok = torch.tensor([[5]])
-    ids = []
+    made = _count_new_aliases(monkeypatch)
+    per_step = []
     kept = None
     for p in range(8):
         pos = torch.full((1, 1), p)
@@ -280,14 +300,16 @@ def test_served_transformers_decoder_replays_kernel_calls_and_recycles_its_logit
         assert_close(out, want, reduction=128)
         assert_close(cache.layers[1].values, ref_cache.layers[1].values, reduction=64)
         tok, ref_tok = out[:, -1:].argmax(-1), want[:, -1:].argmax(-1)
-        ids.append(id(out))
+        per_step.append(made[0])
         if p == 5:
             kept = out
         del out
     graphs = [g for g in _graphs_of_all() if g.program is not None]
     assert graphs and all(len(g.program.calls) == 1 for g in graphs), "one fused kernel per step"
-    assert len(set(ids[3:5])) == 1, "dropped logits should come back as the next step's"
-    assert kept is not None and id(kept) not in ids[6:]
+    new = [b - a for a, b in zip(per_step, per_step[1:])]  # aliases made at steps 1..7
+    assert new[3:5] == [0, 0], f"dropped logits should come back as the next step's: {new}"
+    assert new[5] == 1 and new[6] == 0, f"kept logits are not handed out again: {new}"
+    assert kept is not None
     with pytest.raises(RuntimeError, match="overwritten"):
         kept + 0
 

@@ -24,7 +24,8 @@ decode loop keeps the token it sampled, not the logits). The graph then keeps th
 it handed out (:attr:`Handout.held`) and, when the next replay comes, checks that
 nothing but graphgear still reaches it: no Python reference (``sys.getrefcount``), no C++
 owner of its ``TensorImpl`` (a view's base, an autograd node's saved tensor), no other
-user of its storage (a view, a NumPy array, a Python storage object), no weak reference,
+user of its storage (a view, a NumPy array), no reference to its Python storage object
+(``untyped_storage()`` hands out the one torch keeps with the storage), no weak reference,
 and its metadata as handed out (no ``requires_grad_()``, ``.grad``, attribute or in-place
 view op since). Such an alias is not poisoned but handed out again by the next replay of
 its graph, as cudagraph trees do: no new ``StorageImpl`` or ``TensorImpl`` per replay.
@@ -199,7 +200,8 @@ class Handout:
     itself, so that the next replay can hand it out again when nothing else reaches it
     (:meth:`unused`); ``free`` says the last invalidation found it so."""
 
-    __slots__ = ("free", "held", "owner", "ptr", "ref", "shape", "strides", "start", "uses")
+    __slots__ = ("free", "held", "owner", "ptr", "ref", "shape", "storage_refs", "strides", "start",
+                 "uses")
 
     def __init__(self, alias_tensor: torch.Tensor, owner: torch.UntypedStorage, *,
                  recycle: bool = False) -> None:
@@ -215,18 +217,21 @@ class Handout:
         self.shape = alias_tensor.size()
         self.strides = alias_tensor.stride()
         # the storage's users as handed out: the alias's TensorImpl (and the Python
-        # storage object torch keeps with it once one was made)
+        # storage object torch keeps with it once one was made), and the references to
+        # that Python object (a caller's ``untyped_storage()`` is the same object: it
+        # adds a reference to it, not a user of the storage)
         self.uses = storage_use_count(self.ref.cdata) if recycle else 0
+        self.storage_refs = _storage_refs(alias_tensor) if recycle else 0
 
     def unused(self) -> bool:
         """Whether nothing but this hand-out reaches the held alias (see the module
         docstring); False when none is held."""
-        t = self.held
-        if t is None:
+        if self.held is None or _held_refs(self) != _ONLY_HELD:  # (no local name for it yet)
             return False
-        # references: self.held, the local name t, getrefcount's argument
-        return (sys.getrefcount(t) == 3 and tensor_use_count(t) == 1
+        t = self.held
+        return (tensor_use_count(t) == 1
                 and storage_use_count(self.ref.cdata) == self.uses
+                and _storage_refs(t) == self.storage_refs
                 and not weakref.getweakrefcount(t) and not t.requires_grad
                 and t.grad is None and not t.__dict__)
 
@@ -245,6 +250,32 @@ class Handout:
         t = self.held
         return (t is not None and static.data_ptr() == self.start and t.data_ptr() == self.start
                 and t.size() == self.shape and t.stride() == self.strides)
+
+
+def _held_refs(h: Any) -> int:
+    """``sys.getrefcount`` of ``h.held`` as seen from here: what it counts besides the
+    holders (the local name, the call's argument) depends on the Python version (3.14
+    borrows references it loads), so it is compared with :data:`_ONLY_HELD`, measured
+    the same way on an object only its holder reaches."""
+    t = h.held
+    return sys.getrefcount(t)
+
+
+def _storage_refs(t: torch.Tensor) -> int:
+    """``sys.getrefcount`` of ``t``'s Python storage object, as seen from here."""
+    st = t.untyped_storage()
+    return sys.getrefcount(st)
+
+
+class _Holder:
+    __slots__ = ("held",)
+
+    def __init__(self) -> None:
+        self.held = object()
+
+
+#: :func:`_held_refs` of an object nothing but its holder reaches (3 on CPython 3.10-3.13)
+_ONLY_HELD = _held_refs(_Holder())
 
 
 class Keeper:
