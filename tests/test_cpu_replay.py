@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.utils.dlpack
 
 import graphgear
 from graphgear.capture import CaptureEngine, liveness
@@ -157,6 +158,8 @@ _REACHES = {
     "slice": lambda t: t[:, 1:],
     "storage": lambda t: t.untyped_storage(),
     "numpy": lambda t: t.numpy(),
+    "detach": lambda t: t.detach(),
+    "dlpack": lambda t: torch.utils.dlpack.to_dlpack(t),
     "container": lambda t: [t],
 }
 
