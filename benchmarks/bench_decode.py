@@ -264,7 +264,53 @@ def overhead(size: str, steps: int, rounds: int) -> dict[str, float]:
           f"outputs): {med['shell']:.0f} us; so AOTAutograd's wrapper and graphgear's engine take "
           f"{rest:.0f} us of the step; (kernels + that shell) / step = "
           f"{(med['kernels'] + med['shell']) / med['step']:.2f}")
+    with torch.no_grad():
+        situ = _in_situ(dec, n, rounds)
+    print(f"  timed where they run (the kernels evict the caches, so everything in a step runs "
+          f"slower than in a hot loop): step {situ['step']:.0f} us = CPU graph replay "
+          f"{situ['replay']:.0f} + the rest of graphgear's engine {situ['engine'] - situ['replay']:.0f} "
+          f"+ AOTAutograd, dynamo and the model's Python {situ['step'] - situ['engine']:.0f}")
+    med.update({f"in_situ_{k}": v for k, v in situ.items()})
     return med
+
+
+def _in_situ(dec: Decoder, n: int, rounds: int) -> dict[str, float]:
+    """The served step with graphgear's engine call and CPU graph replay timed inside
+    it (their classes' methods wrapped for the measurement, restored after); median
+    round, microseconds per step."""
+    from graphgear.capture import CaptureEngine
+    from graphgear.capture.cpu_graph import CPUGraph
+
+    acc = {"engine": 0.0, "replay": 0.0}
+    saved = [(CaptureEngine, "__call__", "engine"), (CPUGraph, "replay", "replay")]
+    origs = [getattr(cls, name) for cls, name, _ in saved]
+
+    def timing(orig: Callable[..., Any], key: str) -> Callable[..., Any]:
+        def run(self: Any, *a: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return orig(self, *a)
+            finally:
+                acc[key] += time.perf_counter() - t0
+        return run
+
+    rows = []
+    try:
+        for (cls, name, key), orig in zip(saved, origs):
+            setattr(cls, name, timing(orig, key))
+        for _ in range(rounds):
+            dec.cache.reset()
+            dec.pos = 0
+            acc.update(engine=0.0, replay=0.0)
+            t0 = time.perf_counter()
+            for _ in range(n):
+                dec.step()
+            rows.append(((time.perf_counter() - t0) / n, acc["engine"] / n, acc["replay"] / n))
+    finally:
+        for (cls, name, _), orig in zip(saved, origs):
+            setattr(cls, name, orig)
+    step, engine, replay = sorted(rows)[len(rows) // 2]
+    return {"step": step * 1e6, "engine": engine * 1e6, "replay": replay * 1e6}
 
 
 def _first_outputs(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
