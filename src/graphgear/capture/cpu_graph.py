@@ -14,6 +14,14 @@ PyTorch has no CPU graph. graphgear's works like a device graph:
   a static output buffer, so every output lives in pool memory and is overwritten by
   the next replay, exactly as on a device.
 
+Where Inductor's generated Python is straight-line code (allocations, views, generated
+C++ kernels, ``extern_kernels`` products with ``out=``: the common case for decode steps
+at one row and for graphs without packed weights), the capture also reads it
+(``_torch.inductor_straight_line``) and evaluates it once on the record into a fixed list
+of kernel calls (:class:`_Program`): a replay then only calls the kernels, with no
+allocation, view or Python frame of the generated code (the tiny served decoder's step:
+0.69x; the small one's: 0.91x).
+
 The generated code takes every buffer as an argument, so an input the graph mutates in
 place (a KV cache) that moved is *rebound* (:meth:`CPUGraph.rebind`): no new record, no
 new compile. The code is compiled once per static graph (:class:`CPUExecutor`, shared by
