@@ -138,10 +138,10 @@ class _Entry:
     graph: Any = None
     uncaptured: bool = False
     copy_idx: list[int] = dataclasses.field(default_factory=list)
-    alias_out: list[bool] = dataclasses.field(default_factory=list)
-    # each output's last hand-out (pool.hand_out gives its alias out again when unused)
+    # the outputs in the graph's memory (handed out through aliases), and each one's
+    # last hand-out (pool.hand_out gives its alias out again when unused)
+    alias_idx: list[int] = dataclasses.field(default_factory=list)
     handouts: list[Any] = dataclasses.field(default_factory=list)
-    alias_idx: list[int] = dataclasses.field(default_factory=list)  # where alias_out is true
     bound_refs: list[StorageWeakRef] = dataclasses.field(default_factory=list)
     recapture: bool = False  # a key seen before with inputs used in place elsewhere
 
@@ -424,8 +424,9 @@ class CaptureEngine:
                 graph.args[i] = None
         user = {args[i].untyped_storage().data_ptr() for i in self.static_idx + self.tracked_idx
                 if isinstance(args[i], torch.Tensor)}
-        e.alias_out = [isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in user
-                       for o in outs]
+        e.alias_idx = [i for i, o in enumerate(outs)
+                       if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in user]
+        e.handouts = [None] * len(outs)
         self.record.captures += 1
         if e.recapture:
             self.record.recaptures += 1
@@ -492,9 +493,6 @@ class CaptureEngine:
         res = list(outs)
         pool = self.pool
         last = e.handouts
-        if len(last) != len(res):
-            last[:] = [None] * len(res)
-            e.alias_idx = [i for i, a in enumerate(e.alias_out) if a]
         for i in e.alias_idx:
             h = pool.hand_out(res[i], arena, last[i])
             last[i] = h

@@ -196,21 +196,20 @@ class Handout:
     """One output handed out: a weak reference to its alias storage and a strong one to
     the memory's owner (kept until the alias storage is gone).
 
-    ``recycle=True`` (the capture engine's hand-outs): ``held`` keeps the alias tensor
-    itself, so that the next replay can hand it out again when nothing else reaches it
-    (:meth:`unused`); ``free`` says the last invalidation found it so."""
+    ``held`` keeps the alias tensor itself, so that the next replay can hand it out
+    again when nothing else reaches it (:meth:`unused`); ``free`` says the last
+    invalidation found it so. Poisoning or a release lets go of it (``held`` None)."""
 
     __slots__ = ("free", "held", "owner", "ptr", "ref", "shape", "storage_refs", "strides", "start",
                  "uses")
 
-    def __init__(self, alias_tensor: torch.Tensor, owner: torch.UntypedStorage, *,
-                 recycle: bool = False) -> None:
+    def __init__(self, alias_tensor: torch.Tensor, owner: torch.UntypedStorage) -> None:
         st = alias_tensor.untyped_storage()
         self.ref = StorageWeakRef(st)
         self.ptr = st.data_ptr()
         self.owner = owner
         del st
-        self.held: torch.Tensor | None = alias_tensor if recycle else None
+        self.held: torch.Tensor | None = alias_tensor
         self.free = False
         # where, and as what, the alias was handed out
         self.start = alias_tensor.data_ptr()
@@ -220,8 +219,8 @@ class Handout:
         # storage object torch keeps with it once one was made), and the references to
         # that Python object (a caller's ``untyped_storage()`` is the same object: it
         # adds a reference to it, not a user of the storage)
-        self.uses = storage_use_count(self.ref.cdata) if recycle else 0
-        self.storage_refs = _storage_refs(alias_tensor) if recycle else 0
+        self.uses = storage_use_count(self.ref.cdata)
+        self.storage_refs = _storage_refs(alias_tensor)
 
     def unused(self) -> bool:
         """Whether nothing but this hand-out reaches the held alias (see the module
@@ -312,7 +311,7 @@ def recycle_unused(handed: list[Handout]) -> list[Handout]:
     hands it out again, unpoisoned); returns the others, which need poisoning."""
     rest = []
     for h in handed:
-        if h.held is not None and h.unused():
+        if h.unused():
             h.free = True
         else:
             rest.append(h)

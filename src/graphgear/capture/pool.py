@@ -190,7 +190,7 @@ class MemoryPool:
             last.free = False
             a.handed.append(last)
             return last
-        h = liveness.Handout(liveness.alias(static), static.untyped_storage(), recycle=True)
+        h = liveness.Handout(liveness.alias(static), static.untyped_storage())
         a.handed.append(h)
         return h
 
