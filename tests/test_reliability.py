@@ -125,17 +125,32 @@ class _FourLinears(nn.Module):
         return out
 
 
+def _small_gemm(monkeypatch, on: bool) -> None:
+    """graphgear's small-batch product on (the kernel must build here), or off (frozen
+    products of 2 to 16 rows go to MKL and, four or more, Inductor's C++ wrapper)."""
+    import graphgear.compilers.small_gemm as small_gemm
+
+    if on:
+        assert small_gemm.kernel() is not None, "graphgear's small-batch product did not build"
+    else:
+        monkeypatch.setattr(small_gemm, "MAX_ROWS", 1)
+
+
+@pytest.mark.parametrize("product", ["mkl", "graphgear"])
 @pytest.mark.parametrize("rows", [1, 4])
-def test_item1_frozen_cpp_wrapper_outputs_state_and_staleness_like_the_python_wrapper(monkeypatch, rows) -> None:
-    """frozen_parameter at 4 rows: four packed products, so the CPU graph's code is
-    Inductor's C++ wrapper (allocating in C++; outputs copied to static buffers); at one
-    row, the Python wrapper with its allocation record. Either way: outputs and the
-    in-place state equal eager's at every call, and a view made under inference_mode goes
-    stale when the next replay overwrites its output."""
+def test_item1_frozen_cpp_wrapper_outputs_state_and_staleness_like_the_python_wrapper(monkeypatch, rows,
+                                                                                       product) -> None:
+    """frozen_parameter at 4 rows with MKL's products: four packed products, so the CPU
+    graph's code is Inductor's C++ wrapper (allocating in C++; outputs copied to static
+    buffers); with graphgear's own product, or at one row, the Python wrapper with its
+    allocation record. Every way: outputs and the in-place state equal eager's at every
+    call, and a view made under inference_mode goes stale when the next replay
+    overwrites its output."""
     from graphgear.compilers.mkl_pack import mkl_packing_available
 
     if not mkl_packing_available():
         pytest.skip("this torch has no MKL")
+    _small_gemm(monkeypatch, product == "graphgear")
     used = _spy_static_compiles(monkeypatch, lambda gm, kwargs: bool(kwargs.get("cpp_wrapper")))
     torch.manual_seed(0)
     net = _FourLinears()
@@ -151,18 +166,22 @@ def test_item1_frozen_cpp_wrapper_outputs_state_and_staleness_like_the_python_wr
             assert_close(net.state, ref.state, reduction=64)
         with pytest.raises(RuntimeError, match="overwritten.*clone_output=True"):
             view + 0
-    assert used == [rows > 1]
+    assert used == [rows > 1 and product == "mkl"]
     assert _rec().replays == 3
 
 
-def test_item5_threads_replaying_cpp_wrapper_graphs_get_their_own_results(monkeypatch) -> None:
-    """Served (frozen) graphs of four products at 2 to 4 rows are Inductor's C++ wrapper,
-    which allocates in C++ and whose outputs the CPU graph copies: four threads starting
-    cold together, each with its own rows, get their own results at every step."""
+@pytest.mark.parametrize("product", ["mkl", "graphgear"])
+def test_item5_threads_replaying_cpp_wrapper_graphs_get_their_own_results(monkeypatch, product) -> None:
+    """Served (frozen) graphs of four MKL products at 2 to 4 rows are Inductor's C++
+    wrapper, which allocates in C++ and whose outputs the CPU graph copies; with
+    graphgear's own product they are kernel calls on recorded buffers: either way four
+    threads starting cold together, each with its own rows, get their own results at
+    every step."""
     from graphgear.compilers.mkl_pack import mkl_packing_available
 
     if not mkl_packing_available():
         pytest.skip("this torch has no MKL")
+    _small_gemm(monkeypatch, product == "graphgear")
     used = _spy_static_compiles(monkeypatch, lambda gm, kwargs: bool(kwargs.get("cpp_wrapper")))
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16),
@@ -172,7 +191,7 @@ def test_item5_threads_replaying_cpp_wrapper_graphs_get_their_own_results(monkey
     with torch.no_grad():
         wants = [net(x) for x in inputs]
     _each_thread_gets_its_own(f, inputs, wants, steps=6, mode=torch.inference_mode)
-    assert used and all(used), used
+    assert used and all(used) == (product == "mkl") and any(used) == (product == "mkl"), used
 
 
 def test_frozen_one_row_products_too_wide_to_fuse_stay_aten_products_and_equal_eager(monkeypatch) -> None:

@@ -134,6 +134,8 @@ __all__ = [
     "inductor_config_patch",
     "inductor_decomp_table",
     "inductor_lowering",
+    "inductor_load_cpp_kernel",
+    "register_inductor_extern_out",
     "inductor_remove_noop_ops",
     "inductor_virtual_fake_mode",
     "inductor_wrapper_globals",
@@ -606,6 +608,57 @@ def inductor_lowering() -> Any:
     from torch._inductor import lowering
 
     return lowering
+
+
+def inductor_load_cpp_kernel(argtypes: Sequence[str], source: str) -> Callable[..., None]:
+    """Build ``source`` (C++ defining ``extern "C" void kernel(...)`` with ``argtypes``,
+    such as ``"const float*"`` or ``"const int64_t"``) with Inductor's compiler, flags and
+    vector ISA into a built-in ``kernel`` taking tensors (their data pointers) and ints,
+    as Inductor builds its own C++ kernels (cached in Inductor's cache folder).
+
+    ``CppPythonBindingsCodeCache.load_pybinding(argtypes, code, needs_vec_isa=True)``:
+    checked on 2.13 and 2.14 (2.11 has no ``needs_vec_isa``: then the kernel is built
+    without the ISA flags, its portable loop; still right). Raises whatever the build
+    raises (no compiler: the caller falls back)."""
+    from torch._inductor.codecache import CppPythonBindingsCodeCache
+
+    try:
+        return CppPythonBindingsCodeCache.load_pybinding(list(argtypes), source, needs_vec_isa=True)
+    except TypeError:
+        return CppPythonBindingsCodeCache.load_pybinding(list(argtypes), source)
+
+
+def register_inductor_extern_out(target: Any, fn: Callable[..., Any], name: str,
+                                 out_size: Callable[..., list[int]]) -> bool:
+    """Give Inductor a lowering for the custom op ``target`` (tensor arguments first,
+    then ints; a None tensor is left out): an extern kernel writing into a buffer
+    Inductor allocates, called as ``extern_kernels.<name>(*tensors, out=buf)`` from the
+    generated code (what the CPU graph's kernel-call replay reads). ``out_size(*sizes,
+    *ints)`` gives the buffer's size (contiguous fp32 on the first tensor's device); the
+    ints go to it only. Returns False where
+    Inductor already has one (registered once per process: the lowering table and
+    ``extern_kernels`` are Inductor's own registries).
+
+    ``select_algorithm.ExternKernelChoice(fn, name=...)`` (puts ``fn`` on
+    ``extern_kernels``), ``.bind(inputs, layout, **kwargs).output_node()`` (an
+    ``ir.ExternKernelOut``), ``ir.FixedLayout``, ``ir.ExternKernel.require_contiguous``,
+    ``lowering.register_lowering``: checked on 2.13 and 2.14."""
+    from torch._inductor import ir, lowering
+    from torch._inductor.select_algorithm import ExternKernelChoice
+
+    if target in lowering.lowerings:
+        return False
+    choice = ExternKernelChoice.lookup(name) or ExternKernelChoice(fn, name=name)
+
+    @lowering.register_lowering(target, type_promotion_kind=None)
+    def _lower(*args: Any) -> Any:
+        tensors = [ir.ExternKernel.require_contiguous(a) for a in args if isinstance(a, ir.TensorBox)]
+        ints = [a for a in args if not isinstance(a, ir.TensorBox) and a is not None]
+        size = out_size(*[list(t.get_size()) for t in tensors], *ints)
+        layout = ir.FixedLayout(tensors[0].get_device(), torch.float32, size)
+        return choice.bind(tensors, layout).output_node()
+
+    return True
 
 
 def inductor_remove_noop_ops(graph: torch.fx.Graph) -> None:

@@ -43,7 +43,7 @@ from ..artifacts import KeyArtifact, strip_cache_tag
 from ..context import CompileContext
 from ..passes import PASSES_VERSION
 from ..passes.ops import inductor_fused_op_decompositions, inline_decompositions, register_inductor_lowering
-from .mkl_pack import group_frozen_products, pack_frozen_linears
+from .mkl_pack import group_frozen_products, pack_frozen_linears, pack_frozen_small
 
 log = logging.getLogger(__name__)
 
@@ -227,7 +227,10 @@ def compile_static(
         static = [keep.index(i) for i in static if i in keep]
         # frozen is CPU-only; it packs CPU fp32 weights only
         group_frozen_products(dgm)
-        cpp_wrapper = pack_frozen_linears(dgm) >= CPP_WRAPPER_MIN_EXTERN_CALLS
+        small = pack_frozen_small(dgm)
+        # graphgear's product is a Python-level extern kernel (the CPU graph calls it
+        # directly): the C++ wrapper is for graphs of MKL's products only
+        cpp_wrapper = pack_frozen_linears(dgm) >= CPP_WRAPPER_MIN_EXTERN_CALLS and not small
         # products left: Inductor's C++ GEMM template for those of more rows than MKL's
         # packing takes; one-row ones stay Inductor's fused loops, or ATen's product where
         # a weight is too wide for its decomposition (the template is slower at one row)

@@ -32,9 +32,12 @@ import logging
 import torch
 from torch import fx
 
+from . import small_gemm
+
 log = logging.getLogger(__name__)
 
-__all__ = ["MAX_ROWS", "MIN_ROWS", "group_frozen_products", "mkl_packing_available", "pack_frozen_linears"]
+__all__ = ["MAX_ROWS", "MIN_ROWS", "group_frozen_products", "mkl_packing_available", "pack_frozen_linears",
+           "pack_frozen_small"]
 
 aten = torch.ops.aten
 
@@ -144,6 +147,47 @@ def pack_frozen_linears(gm: fx.GraphModule, *, min_rows: int = MIN_ROWS, max_row
     return count
 
 
+def pack_frozen_small(gm: fx.GraphModule) -> int:
+    """Rewrite ``gm``'s products with frozen weights of :data:`small_gemm.MIN_ROWS` to
+    :data:`small_gemm.MAX_ROWS` rows to graphgear's own packed product
+    (``graphgear::packed_linear``, :mod:`.small_gemm`); returns how many. Run before
+    :func:`pack_frozen_linears`, which packs what is left for MKL. Nothing is rewritten
+    where the kernel cannot be built here."""
+    g = gm.graph
+    found_any = [(n, f) for n in g.nodes
+                 if (f := _frozen_product(gm, n, small_gemm.MIN_ROWS, small_gemm.MAX_ROWS)) is not None]
+    if not found_any or small_gemm.kernel() is None:
+        return 0
+    small_gemm.register_lowering()
+    packed: dict[str, str] = {}
+    for node, (x, w_node, bias) in found_any:
+        w = _constant(gm, w_node)
+        assert w is not None
+        name = packed.get(str(w_node.target))
+        if name is None:
+            name = f"_graphgear_small_packed_{len(packed)}"
+            gm.register_buffer(name, small_gemm.pack_weight(w.detach()))
+            packed[str(w_node.target)] = name
+        b_node = None
+        if bias is not None:
+            b = _constant(gm, bias)
+            assert b is not None
+            b_name = f"{name}_bias_{node.name}"
+            gm.register_buffer(b_name, small_gemm.pack_bias(b.detach()))
+        with g.inserting_before(node):
+            p_node = g.get_attr(name)
+            if bias is not None:
+                b_node = g.get_attr(b_name)
+            new = g.call_function(torch.ops.graphgear.packed_linear.default, (x, p_node, b_node, w.shape[0]))
+        new.meta = dict(node.meta)
+        node.replace_all_uses_with(new)
+        g.erase_node(node)
+    g.eliminate_dead_code()
+    gm.recompile()
+    log.debug("graphgear: %d matrix products packed for graphgear's small-batch product", len(found_any))
+    return len(found_any)
+
+
 
 _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 
@@ -169,7 +213,7 @@ def group_frozen_products(gm: fx.GraphModule, *, min_rows: int = MIN_ROWS, max_r
     grouped weights, kept with the compiled code like the packed copy). Measured on
     bench_decode's small Qwen2 served step (29 products -> 17 calls; 1 thread, same run,
     grouped / separate): batch 2 0.90 and 0.78, batch 4 0.87, batch 8 0.85."""
-    if not mkl_packing_available():
+    if not mkl_packing_available() and small_gemm.kernel() is None:
         return 0
     g = gm.graph
     groups: dict[tuple[object, bool], list[tuple[fx.Node, fx.Node, fx.Node, object]]] = {}

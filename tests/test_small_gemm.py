@@ -1,0 +1,171 @@
+"""graphgear's small-batch matrix product (``compilers/small_gemm``): the kernel against
+ATen on odd shapes, its misuse, its use in served graphs (checked against eager: outputs
+and the KV cache), the row range it takes, and what happens where it cannot be built."""
+
+from __future__ import annotations
+
+import gc
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import graphgear
+import graphgear.compilers.small_gemm as small_gemm
+from graphgear.capture import CaptureEngine
+from tests.helpers import assert_close, make_config
+from tests.helpers import make_backend as _ro
+
+pytestmark = pytest.mark.inductor
+
+
+def _built() -> None:
+    assert small_gemm.kernel() is not None, "graphgear's small-batch product did not build here"
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_kernel_equals_aten_on_odd_shapes(bias: bool) -> None:
+    """Every row count from 1 to 17 (the row blocks of 8 and their rests), widths that
+    are not whole panels of 32 and depths down to 1: ``x @ W.T + b`` as ATen computes it
+    (to fp32 rounding: the summation order differs)."""
+    _built()
+    torch.manual_seed(0)
+    for m in range(1, 18):
+        for n, k in [(1, 1), (31, 3), (32, 64), (33, 257), (100, 17)]:
+            x, w, b = torch.randn(m, k), torch.randn(n, k), torch.randn(n)
+            got = small_gemm.packed_linear(x, small_gemm.pack_weight(w),
+                                           small_gemm.pack_bias(b) if bias else None, n)
+            want = torch.nn.functional.linear(x, w, b if bias else None)
+            assert_close(got, want, reduction=k, what=f"rows {m}, N {n}, K {k}")
+
+
+def test_kernel_refuses_a_weight_it_did_not_pack() -> None:
+    """A plain ``[N, K]`` weight (not packed) or a transposed ``x``: a ValueError that
+    names the shapes and what was expected, never a read past the weight."""
+    _built()
+    x, w = torch.randn(4, 16), torch.randn(8, 16)
+    with pytest.raises(ValueError, match=r"packed weight \(8, 16\).*pack_weight"):
+        small_gemm.packed_linear_out(x, w, None, out=torch.empty(4, 8))
+    with pytest.raises(ValueError, match="contiguous"):
+        small_gemm.packed_linear_out(torch.randn(16, 4).t(), small_gemm.pack_weight(w), None,
+                                     out=torch.empty(4, 8))
+    with pytest.raises(ValueError, match="out"):
+        small_gemm.packed_linear_out(x, small_gemm.pack_weight(w), None, out=torch.empty(4, 40))
+
+
+def _products(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """Per static compile: (graphgear products, MKL products) in the graph Inductor gets."""
+    import graphgear.compilers.inductor as gi
+
+    seen: list[tuple[int, int]] = []
+    real = gi.inductor_compile_fx_inner
+
+    def spy(gm, *args, **kwargs):  # type: ignore[no-untyped-def]
+        find = gm.graph.find_nodes
+        seen.append((len(find(op="call_function", target=torch.ops.graphgear.packed_linear.default)),
+                     len(find(op="call_function", target=torch.ops.mkl._mkl_linear.default))))
+        return real(gm, *args, **kwargs)
+
+    monkeypatch.setattr(gi, "inductor_compile_fx_inner", spy)
+    return seen
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(24, 40), nn.ReLU(), nn.Linear(40, 40, bias=False), nn.ReLU(),
+                         nn.Linear(40, 8)).eval()
+
+
+@pytest.mark.parametrize("rows", [2, 16, 17])
+def test_served_products_of_2_to_16_rows_are_graphgears_and_replay_as_kernel_calls(monkeypatch, rows) -> None:
+    """Frozen products of 2 to 16 rows go to graphgear's product (with and without
+    bias), past that to MKL's. At 2 and 16 rows the graph stays straight-line code: the
+    CPU graph replays it as kernel calls, graphgear's product among them as the built
+    kernel itself. Results equal eager's at every step."""
+    _built()
+    if not torch.backends.mkl.is_available():
+        pytest.skip("this torch has no MKL")
+    seen = _products(monkeypatch)
+    net = _mlp()
+    f = graphgear.inference.serve(net, make_config("reduce-overhead", warmup_iters=0))
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(rows, 24)
+            assert_close(f(x), net(x), reduction=40)
+    assert seen == [(3, 0)] if rows <= 16 else [(0, 3)], seen
+    if rows <= 16:
+        graphs = [e.graph for o in gc.get_objects() if type(o) is CaptureEngine
+                  for e in o.entries.values() if e.graph is not None and e.graph.program is not None]
+        fns = [c[0] for g in graphs for c in g.program.calls]
+        assert fns.count(small_gemm.kernel()) == 3, fns
+
+
+def test_where_the_kernel_cannot_be_built_mkl_serves_and_the_reason_is_logged(monkeypatch, caplog) -> None:
+    """No C++ compiler (the build raises): a warning says why and what serves instead,
+    the frozen products go to MKL, and results equal eager's."""
+    def no_compiler(*_a, **_k):  # type: ignore[no-untyped-def]
+        raise RuntimeError("g++: not found")
+
+    monkeypatch.setattr(small_gemm, "inductor_load_cpp_kernel", no_compiler)
+    with caplog.at_level(logging.WARNING, logger="graphgear.compilers.small_gemm"):
+        assert small_gemm.kernel.__wrapped__() is None
+    assert "could not be built (RuntimeError: g++: not found)" in caplog.text
+    assert "MKL's packed GEMM instead" in caplog.text
+    if not torch.backends.mkl.is_available():
+        return
+    monkeypatch.setattr(small_gemm, "kernel", lambda: None)
+    seen = _products(monkeypatch)
+    net = _mlp()
+    f = graphgear.inference.serve(net, make_config("reduce-overhead", warmup_iters=0))
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(4, 24)
+            assert_close(f(x), net(x), reduction=40)
+    assert seen == [(0, 3)], seen
+
+
+def test_unfrozen_products_are_left_to_inductor(monkeypatch) -> None:
+    """Without ``frozen_parameter`` a weight may change between calls: no packing."""
+    seen = _products(monkeypatch)
+    net = _mlp()
+    f = torch.compile(net, backend=_ro(warmup_iters=0))
+    with torch.no_grad():
+        x = torch.randn(4, 24)
+        assert_close(f(x), net(x), reduction=40)
+    assert seen == [(0, 0)], seen
+
+
+@pytest.mark.slow
+@torch.no_grad()
+@pytest.mark.parametrize("batch", [4])
+def test_served_transformers_decoder_at_batch_4_equals_eager_with_graphgears_products(
+        monkeypatch, batch: int) -> None:
+    """A served transformers Qwen2 (grouped-query attention, biased q/k/v projections)
+    at batch 4: its products are graphgear's, its step replays as kernel calls, and
+    logits and the KV cache equal eager's at every step."""
+    _built()
+    from transformers import Qwen2Config, Qwen2ForCausalLM, StaticCache
+
+    seen = _products(monkeypatch)
+    cfg = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model, ref = Qwen2ForCausalLM(cfg).eval(), Qwen2ForCausalLM(cfg).eval()
+    ref.load_state_dict(model.state_dict())
+    f = graphgear.inference.serve(model)
+    cache, ref_cache = StaticCache(config=cfg, max_cache_len=16), StaticCache(config=cfg, max_cache_len=16)
+    tok = ref_tok = torch.randint(3, 100, (batch, 1), generator=torch.Generator().manual_seed(0))
+    for p in range(6):
+        pos = torch.full((batch, 1), p)
+        out = f(input_ids=tok, cache=cache, position_ids=pos, use_cache=True).logits
+        want = ref(input_ids=ref_tok, cache=ref_cache, position_ids=pos, use_cache=True).logits
+        assert_close(out, want, reduction=128)
+        for layer, ref_layer in zip(cache.layers, ref_cache.layers):
+            assert_close(layer.keys, ref_layer.keys, reduction=64, what="keys")
+            assert_close(layer.values, ref_layer.values, reduction=64, what="values")
+        tok, ref_tok = out[:, -1:].argmax(-1), want[:, -1:].argmax(-1)
+    assert seen and seen[-1][0] > 0 and seen[-1][1] == 0, seen
+    graphs = [e.graph for o in gc.get_objects() if type(o) is CaptureEngine
+              for e in o.entries.values() if e.graph is not None and e.graph.program is not None]
+    assert any(c[0] is small_gemm.kernel() for g in graphs for c in g.program.calls)
