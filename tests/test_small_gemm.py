@@ -40,6 +40,24 @@ def test_kernel_equals_aten_on_odd_shapes(bias: bool) -> None:
             assert_close(got, want, reduction=k, what=f"rows {m}, N {n}, K {k}")
 
 
+def test_kernel_split_over_threads_equals_aten() -> None:
+    """With more than one thread the panels are split between threads (widths that do
+    not split evenly, rows past one block): the same result as ATen's."""
+    _built()
+    torch.manual_seed(0)
+    before = torch.get_num_threads()
+    try:
+        for threads in (2, 3):
+            torch.set_num_threads(threads)
+            for m, n, k in [(3, 1000, 64), (9, 33 * 32 + 5, 128), (16, 96, 512)]:
+                x, w, b = torch.randn(m, k), torch.randn(n, k), torch.randn(n)
+                got = small_gemm.packed_linear(x, small_gemm.pack_weight(w), small_gemm.pack_bias(b), n)
+                assert_close(got, torch.nn.functional.linear(x, w, b), reduction=k,
+                             what=f"{threads} threads, rows {m}, N {n}, K {k}")
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_kernel_refuses_a_weight_it_did_not_pack() -> None:
     """A plain ``[N, K]`` weight (not packed) or a transposed ``x``: a ValueError that
     names the shapes and what was expected, never a read past the weight."""

@@ -49,6 +49,9 @@ PANEL = 32
 
 _SOURCE = r"""
 #include <cstdint>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #if defined(__AVX512F__)
 constexpr int VW = 16;
 #elif defined(__AVX__)
@@ -66,8 +69,8 @@ static inline void vstore(float* p, vec v) { *reinterpret_cast<uvec*>(p) = v; }
 
 template <int MM>
 static void rows(const float* x, int64_t K, const float* wp, const float* b, float* y,
-                 int64_t N, int64_t panels) {
-    for (int64_t p = 0; p < panels; p++) {
+                 int64_t N, int64_t p_begin, int64_t p_end) {
+    for (int64_t p = p_begin; p < p_end; p++) {
         const float* w = wp + p * K * NB;
         vec acc[MM][NV];
         for (int v = 0; v < NV; v++) {
@@ -100,29 +103,46 @@ static void rows(const float* x, int64_t K, const float* wp, const float* b, flo
     }
 }
 
-#define GG_ROWS(R) case R: if constexpr (MB >= R) { rows<(MB >= R ? R : 1)>(xs, K, wp, bias, ys, N, panels); } break;
+#define GG_ROWS(R) case R: if constexpr (MB >= R) { rows<(MB >= R ? R : 1)>(xs, K, wp, bias, ys, N, p0, p1); } break;
 
-extern "C" void kernel(const float* x, const float* wp, const float* b, float* y,
-                       const int64_t M, const int64_t K, const int64_t N, const int64_t has_bias) {
-    const float* bias = has_bias ? b : nullptr;
-    const int64_t panels = (N + NB - 1) / NB;
+static void panel_range(const float* x, const float* wp, const float* bias, float* y, int64_t M, int64_t K,
+                        int64_t N, int64_t p0, int64_t p1) {
     for (int64_t m0 = 0; m0 < M; m0 += MB) {
         const float* xs = x + m0 * K;
         float* ys = y + m0 * N;
         switch (M - m0 < MB ? M - m0 : MB) {
             GG_ROWS(1) GG_ROWS(2) GG_ROWS(3) GG_ROWS(4) GG_ROWS(5) GG_ROWS(6) GG_ROWS(7)
-            default: if constexpr (MB >= 8) { rows<(MB >= 8 ? 8 : 1)>(xs, K, wp, bias, ys, N, panels); } break;
+            default: if constexpr (MB >= 8) { rows<(MB >= 8 ? 8 : 1)>(xs, K, wp, bias, ys, N, p0, p1); } break;
         }
     }
 }
+
+// threads: split the panels (each thread streams its own part of the weight)
+extern "C" void kernel(const float* x, const float* wp, const float* b, float* y, const int64_t M,
+                       const int64_t K, const int64_t N, const int64_t has_bias, const int64_t threads) {
+    const float* bias = has_bias ? b : nullptr;
+    const int64_t panels = (N + NB - 1) / NB;
+    int64_t nt = threads < panels ? threads : panels;
+#ifdef _OPENMP
+    if (nt > 1 && K * NB * panels >= 16384) {
+        #pragma omp parallel num_threads(nt)
+        {
+            const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
+            panel_range(x, wp, bias, y, M, K, N, panels * t / T, panels * (t + 1) / T);
+        }
+        return;
+    }
+#endif
+    panel_range(x, wp, bias, y, M, K, N, 0, panels);
+}
 """
 _ARGTYPES = ("const float*", "const float*", "const float*", "float*",
-             "const int64_t", "const int64_t", "const int64_t", "const int64_t")
+             "const int64_t", "const int64_t", "const int64_t", "const int64_t", "const int64_t")
 
 
 @functools.cache
 def kernel() -> Callable[..., None] | None:
-    """The built kernel ``kernel(x, wp, b, y, M, K, N, has_bias)``, or None (logged once)
+    """The built kernel ``kernel(x, wp, b, y, M, K, N, has_bias, threads)``, or None (logged once)
     where it cannot be built here."""
     try:
         return inductor_load_cpp_kernel(_ARGTYPES, _SOURCE)
@@ -162,7 +182,8 @@ def _args(x: torch.Tensor, wp: torch.Tensor, b: torch.Tensor | None, out: torch.
             f"bias {None if b is None else tuple(b.shape)}, out {tuple(out.shape)}: expected contiguous "
             f"fp32 x [M, K], a weight packed by graphgear.compilers.small_gemm.pack_weight ([P, K, "
             f"{PANEL}]), a bias padded by pack_bias, and out [M, N] with N <= P * {PANEL}.")
-    return (x, wp, wp if b is None else b, out, x.shape[0], x.shape[1], out.shape[1], int(b is not None))
+    return (x, wp, wp if b is None else b, out, x.shape[0], x.shape[1], out.shape[1], int(b is not None),
+            torch.get_num_threads())
 
 
 def packed_linear_out(x: torch.Tensor, wp: torch.Tensor, b: torch.Tensor | None = None, *,
