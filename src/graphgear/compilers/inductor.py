@@ -195,15 +195,17 @@ def compile_static(
     replays. The compiled code holds a packed copy: parameters changed in place
     afterwards are not seen. That is what ``frozen_parameter`` promises.
 
-    On the CPU, products of 2 to 64 rows with a frozen weight go to MKL's packed GEMM
-    (:mod:`.mkl_pack`, packed once here; products of the same rows grouped into one
-    first); one-row products are Inductor's decomposed
+    On the CPU, products of 2 to 16 rows with a frozen weight go to graphgear's own
+    small-batch product (:mod:`.small_gemm`, packed once here; an extern kernel writing
+    ``out=``, so the code stays straight-line), those of up to 64 rows (or where that
+    kernel cannot be built) to MKL's packed GEMM (:mod:`.mkl_pack`; products of the same
+    rows grouped into one first); one-row products are Inductor's decomposed
     reductions (``decompose_mm_pass``), except those with a weight too wide for it, which
     stay ATen products (the large bench_decode model's MLP and vocabulary products at one
     row, served step, same run: C++ GEMM template 13314 µs, ATen 12361); products of more
-    rows Inductor's C++ GEMM template. A graph
-    with at least :data:`CPP_WRAPPER_MIN_EXTERN_CALLS` packed products is compiled with
-    Inductor's C++ wrapper (the CPU graph then copies its outputs to static buffers).
+    rows Inductor's C++ GEMM template. A graph with at least
+    :data:`CPP_WRAPPER_MIN_EXTERN_CALLS` MKL products and none of graphgear's is compiled
+    with Inductor's C++ wrapper (the CPU graph then copies its outputs to static buffers).
     """
     register_inductor_lowering()
     frozen = frozen and bool(static_idx)

@@ -16,6 +16,10 @@ a step, each an extern call) the gain is smaller, because the template's product
 inside generated C++ with no call overhead: batch 8 4385 -> 4099 µs, 4171 -> 4052 µs
 (two runs); hidden 1024 (128 MB of weights, past the caches) batch 8 23.4 -> 22.2 ms.
 
+Products of 2 to 16 rows go to graphgear's own small-batch product first
+(:func:`pack_frozen_small`, :mod:`.small_gemm`: faster, and it keeps the generated code
+straight-line); MKL takes the rest, and all of them where that kernel cannot be built.
+
 :func:`pack_frozen_linears` rewrites, in a static graph whose weights are constants
 (``get_attr``: graphgear froze them), every ``mm(x, W.T)`` / ``addmm(b, x, W.T)`` whose
 ``W`` is a 2-D fp32 CPU constant and whose ``x`` has a static row count ``M`` in

@@ -18,6 +18,12 @@ Measured side by side (2026-12-02, 1 thread, the 17 products of bench_decode's s
 Qwen2 step, 11.6 MB of weights; µs for all 17, MKL packed / this kernel): 1 row 917 /
 581, 2 rows 890 / 640, 4 rows 969 / 647, 8 rows 1164 / 833, 16 rows 1722 / 1519.
 
+In the served step of that model (same run, graphgear's / MKL's products), 1 thread:
+batch 2 0.87 and 0.67, batch 4 0.65 and 0.57, batch 8 0.70 and 0.73; 2 threads (the
+panels split over the threads): batch 2 0.76, batch 8 0.81; the large model (hidden 1024,
+128 MB of weights) batch 8 0.84. At one row it was no faster than Inductor's fused
+loops (0.98, 1.01), so one-row products stay theirs.
+
 Summation order differs from MKL's and ATen's (per output, over ``K`` in order, in
 fp32): results agree to fp32 rounding, not bit for bit. Where the kernel cannot be
 built (no C++ compiler), :func:`kernel` logs why once and returns None: the products
