@@ -187,3 +187,27 @@ def test_served_transformers_decoder_at_batch_4_equals_eager_with_graphgears_pro
     graphs = [e.graph for o in gc.get_objects() if type(o) is CaptureEngine
               for e in o.entries.values() if e.graph is not None and e.graph.program is not None]
     assert any(c[0] is small_gemm.kernel() for g in graphs for c in g.program.calls)
+
+
+def test_served_gears_with_padding_run_graphgears_products_on_the_padded_rows(monkeypatch) -> None:
+    """Gears [2, 4, 8] with padding, served: batches 3, 5, 7 run the gear above them
+    (rows past the batch are padding), each gear's graph has graphgear's products, and
+    every output equals eager's; a batch above the largest gear is refused, as before."""
+    _built()
+    if not torch.backends.mkl.is_available():
+        pytest.skip("this torch has no MKL")
+    seen = _products(monkeypatch)
+    net = _mlp()
+    f = graphgear.inference.serve(net, make_config("reduce-overhead", warmup_iters=0, gear_padding=True))
+    with torch.no_grad():
+        for n in [3, 8, 5, 2, 7, 3]:
+            x = torch.randn(n, 24)
+            graphgear.set_dim_gears(x, {0: [2, 4, 8]})
+            out = f(x)
+            assert out.shape == (n, 8)
+            assert_close(out, net(x), reduction=40, what=f"batch {n}")
+        x = torch.randn(9, 24)
+        graphgear.set_dim_gears(x, {0: [2, 4, 8]})
+        with pytest.raises(graphgear.GearError, match="above the largest gear"):
+            f(x)
+    assert seen == [(3, 0)] * 3, seen
