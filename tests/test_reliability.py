@@ -426,7 +426,9 @@ def _threads_compiling_round(r: int, opts: dict, serve: bool, start: str) -> Non
             f(inputs[0])  # thread 0's gear is built; the others' are not
     _each_thread_gets_its_own(f, inputs, wants, steps=40, mode=torch.inference_mode, label=f"round {r} ")
     if opts.get("mode") is None:
-        assert _rec().captures >= len(sizes)  # each thread captured its own gear
+        # each thread captured its own gear (summed over records: a thread that made
+        # dynamo compile again has its captures in that compile's record)
+        assert sum(g.captures for g in graphgear.stats().graphs) >= len(sizes), graphgear.stats().graphs
 
 
 @pytest.mark.parametrize("start", ["cold", "new-gear"])
