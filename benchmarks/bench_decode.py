@@ -333,12 +333,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=50, help="steps per contender per round")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--contenders", default=",".join(CONTENDERS))
+    ap.add_argument("--contenders", default=",".join(CONTENDERS),
+                    help="comma-separated; eager is always run (the reference of ratios and numerics)")
     ap.add_argument("--overhead", default="tiny", help="model size for the overhead split ('' for none)")
     ap.add_argument("--json", help="write the results here")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     contenders = [c for c in a.contenders.split(",") if c]
+    unknown = [c for c in contenders if c not in CONTENDERS]
+    if unknown:
+        ap.error(f"--contenders: unknown {unknown}; choose from {','.join(CONTENDERS)}")
+    if "eager" not in contenders:  # the reference of every ratio and of the numerics
+        contenders.insert(0, "eager")
+    contenders.sort(key=lambda c: c != "eager")
     bw = read_bandwidth()
     peak = gemm_peak()
     results = []
