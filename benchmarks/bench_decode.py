@@ -185,6 +185,32 @@ def bench_size(size: str, batches: list[int], steps: int, rounds: int, contender
     return {"size": size, "weight_bytes": weight_bytes(base), "us": res, "max_abs_diff": diffs}
 
 
+def scaling(size: str, contender: str, batches: list[int], steps: int, rounds: int) -> dict[int, float]:
+    """One contender's step at every batch size with the batches *interleaved* round by
+    round (the table measures one batch size after another, so a slow spell of the
+    machine lands on some batches only); seconds per step, median over rounds."""
+    base = build(size)
+    graphgear.reset()
+    torch._dynamo.reset()
+    samples: dict[int, list[float]] = {b: [] for b in batches}
+    with torch.no_grad():
+        decs = {b: Decoder(contender, base, b) for b in batches}
+        for d in decs.values():
+            for _ in range(3):
+                d.step()
+        for r in range(rounds):
+            order = batches[r % len(batches):] + batches[: r % len(batches)]
+            for b in order:
+                decs[b].cache.reset()
+                decs[b].pos = 0
+                samples[b].append(decs[b].run(steps))
+    med = {b: statistics.median(v) for b, v in samples.items()}
+    print(f"\n{size}, {contender}, batches interleaved: " + ", ".join(
+        f"batch {b} {med[b] * 1e6:.0f} us" for b in batches)
+        + f"; batch {batches[-1]} / batch {batches[0]} = {med[batches[-1]] / med[batches[0]]:.2f}x (target <= 1.5x)")
+    return med
+
+
 def print_table(r: dict[str, Any], batches: list[int], bw: float, peak: float) -> None:
     eager = r["us"]["eager"]
     print(f"\n{r['size']}: weights {r['weight_bytes'] / 1e6:.1f} MB; machine read bandwidth {bw:.1f} GB/s, "
@@ -335,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--contenders", default=",".join(CONTENDERS),
                     help="comma-separated; eager is always run (the reference of ratios and numerics)")
+    ap.add_argument("--scaling", default="gg serving",
+                    help="contender whose batches are then timed interleaved ('' for none)")
     ap.add_argument("--overhead", default="tiny", help="model size for the overhead split ('' for none)")
     ap.add_argument("--json", help="write the results here")
     a = ap.parse_args(argv)
@@ -343,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [c for c in contenders if c not in CONTENDERS]
     if unknown:
         ap.error(f"--contenders: unknown {unknown}; choose from {','.join(CONTENDERS)}")
+    if a.scaling and a.scaling not in CONTENDERS:
+        ap.error(f"--scaling: unknown {a.scaling!r}; choose from {','.join(CONTENDERS)}")
     if "eager" not in contenders:  # the reference of every ratio and of the numerics
         contenders.insert(0, "eager")
     contenders.sort(key=lambda c: c != "eager")
@@ -353,11 +383,13 @@ def main(argv: list[str] | None = None) -> int:
         r = bench_size(size, a.batch_sizes, a.steps, a.rounds, contenders)
         print_table(r, a.batch_sizes, bw, peak)
         results.append(r)
+    scaled = {size: scaling(size, a.scaling, a.batch_sizes, a.steps, a.rounds)
+              for size in a.sizes.split(",")} if a.scaling and len(a.batch_sizes) > 1 else None
     split = overhead(a.overhead, a.steps, a.rounds) if a.overhead else None
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"read_bandwidth_gbs": bw, "gemm_gflops": peak, "threads": a.threads, "results": results,
-                       "overhead": split}, f, indent=1)
+                       "overhead": split, "scaling": scaled}, f, indent=1)
     return 0
 
 

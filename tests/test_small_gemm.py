@@ -211,3 +211,39 @@ def test_served_gears_with_padding_run_graphgears_products_on_the_padded_rows(mo
         with pytest.raises(graphgear.GearError, match="above the largest gear"):
             f(x)
     assert seen == [(3, 0)] * 3, seen
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_served_decoder_that_saw_two_batch_sizes_replays_kernel_calls_at_both(monkeypatch) -> None:
+    """A server sees batch 1, then batch 2: dynamo compiles the second with a dynamic
+    batch (automatic dynamic shapes), and graphgear specialises it per size. The passes
+    that decide by static sizes (the one-query attention written out) run again on the
+    specialised graph, so batch 2 is straight-line code too (kernel calls, graphgear's
+    products), not the flash kernel through the generated code. Logits and the KV cache
+    equal eager's."""
+    _built()
+    from transformers import Qwen2Config, Qwen2ForCausalLM, StaticCache
+
+    cfg = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model, ref = Qwen2ForCausalLM(cfg).eval(), Qwen2ForCausalLM(cfg).eval()
+    ref.load_state_dict(model.state_dict())
+    f = graphgear.inference.serve(model)
+    for batch in (1, 2):
+        cache, ref_cache = StaticCache(config=cfg, max_cache_len=16), StaticCache(config=cfg, max_cache_len=16)
+        tok = ref_tok = torch.randint(3, 100, (batch, 1), generator=torch.Generator().manual_seed(batch))
+        for p in range(4):
+            pos = torch.full((batch, 1), p)
+            out = f(input_ids=tok, cache=cache, position_ids=pos, use_cache=True).logits
+            want = ref(input_ids=ref_tok, cache=ref_cache, position_ids=pos, use_cache=True).logits
+            assert_close(out, want, reduction=128)
+            assert_close(cache.layers[1].keys, ref_cache.layers[1].keys, reduction=64, what="keys")
+            tok, ref_tok = out[:, -1:].argmax(-1), want[:, -1:].argmax(-1)
+    last = graphgear.stats().graphs[-1]
+    assert last.passes.get("decode_attention", 0) > 0, last.passes
+    graphs = [e.graph for o in gc.get_objects() if type(o) is CaptureEngine and o.record is last
+              for e in o.entries.values() if e.graph is not None]
+    assert graphs and all(g.program is not None for g in graphs), "batch 2 should replay as kernel calls"
+    assert any(c[0] is small_gemm.kernel() for g in graphs for c in g.program.calls)

@@ -21,7 +21,7 @@ from .context import CompileContext
 from .dispatch import GearedGraph, output_specs, unsliceable_outputs
 from .gears import GearPlan
 from .inputs import aot_input_names, mutated_placeholders, static_input_indices
-from .passes import post_grad_pass_manager
+from .passes import post_grad_pass_manager, static_pass_manager
 from .shapes import ShapeInfo, specialize
 from .stats import new_record
 
@@ -172,6 +172,7 @@ def _compile_by_shape(
                 log.info("graphgear: %s key %s loaded from the compile cache", ctx.record.name, key)
                 return fn
             static_gm, static_inputs = specialize(gm, info, key)
+            static_pass_manager(ctx.config).run(static_gm, static_inputs, ctx.config, ctx.record)
             fn = _convention(compiler(static_gm, static_inputs, ctx, key=key), boxed=True)
             ctx.record.compiles += 1
             ctx.record.compile_seconds += time.perf_counter() - t0

@@ -55,6 +55,7 @@ __all__ = [
     "default_passes",
     "pass_names",
     "post_grad_pass_manager",
+    "static_pass_manager",
     "register_replacement",
 ]
 
@@ -95,3 +96,11 @@ def check_disabled_passes(config: Any) -> None:
 
 def post_grad_pass_manager(config: Any) -> PassManager:
     return PassManager(default_passes(config))
+
+
+def static_pass_manager(config: Any) -> PassManager:
+    """The passes that decide by static sizes (``GraphPass.static_sizes``), run again on
+    each static graph a dynamic graph is specialised to: on the dynamic graph they
+    cannot tell a small attention from a large one. A served model that has seen two
+    batch sizes gets a dynamic graph from dynamo (automatic dynamic shapes)."""
+    return PassManager([p for p in default_passes(config) if p.static_sizes])

@@ -34,6 +34,7 @@ flash kernel.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -124,6 +125,7 @@ class DecodeAttention(GraphPass):
     """See the module docstring."""
 
     name = "decode_attention"
+    static_sizes = True  # MAX_MACS: a dynamic batch is decided per gear
 
     def enabled(self, config: Any) -> bool:
         return mode_of(config) in ("max-autotune", "reduce-overhead")
@@ -132,5 +134,10 @@ class DecodeAttention(GraphPass):
         target = cpu_flash_attention()
         if target is None:
             return 0
+        # a graph re-traced for one gear has a getitem for every output of the tuple,
+        # used or not: drop the unused ones (pure) so "only the output is used" can hold
+        for n in list(gm.graph.find_nodes(op="call_function", target=operator.getitem)):
+            if not n.users and isinstance(n.args[0], fx.Node) and n.args[0].target is target:
+                gm.graph.erase_node(n)
         table = inductor_decomp_table() if decomp_kind(config) == "inductor" else None
         return inline_decompositions(gm, {target: decode_attention}, select=_fits, decompositions=table)

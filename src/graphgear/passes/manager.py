@@ -31,6 +31,9 @@ class GraphPass:
     """Base class of one FX pass."""
 
     name = "pass"
+    #: the pass needs static sizes to decide (a size limit): it runs again on each
+    #: static graph a dynamic one is specialised to (one per gear or graph key)
+    static_sizes = False
 
     def enabled(self, config: CompilerConfig) -> bool:
         return True
