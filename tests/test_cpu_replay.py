@@ -22,7 +22,7 @@ from graphgear.capture.cpu_graph import CPUGraph
 from tests.helpers import assert_close
 from tests.helpers import last_record as _rec
 from tests.helpers import make_backend as _ro
-from tests.models import CacheWriter, Net
+from tests.models import CacheWriter, Net, hf_qwen2_pair
 
 pytestmark = pytest.mark.inductor
 
@@ -283,13 +283,9 @@ def test_served_transformers_decoder_replays_kernel_calls_and_recycles_its_logit
     straight-line (one fused kernel) and replays as kernel calls; logits a caller drops
     come back as the next step's logits. Logits and the KV cache equal eager at every
     step, and a step's logits that the caller keeps go stale, never silently change."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM, StaticCache
+    from transformers import StaticCache
 
-    cfg = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
-    torch.manual_seed(0)
-    model, ref = Qwen2ForCausalLM(cfg).eval(), Qwen2ForCausalLM(cfg).eval()
-    ref.load_state_dict(model.state_dict())
+    cfg, model, ref = hf_qwen2_pair()
     f = graphgear.inference.serve(model)
     cache, ref_cache = StaticCache(config=cfg, max_cache_len=16), StaticCache(config=cfg, max_cache_len=16)
     tok = ref_tok = torch.tensor([[5]])

@@ -16,6 +16,7 @@ import graphgear.compilers.small_gemm as small_gemm
 from graphgear.capture import CaptureEngine
 from tests.helpers import assert_close, make_config
 from tests.helpers import make_backend as _ro
+from tests.models import hf_qwen2_pair
 
 pytestmark = pytest.mark.inductor
 
@@ -163,14 +164,10 @@ def test_served_transformers_decoder_at_batch_4_equals_eager_with_graphgears_pro
     at batch 4: its products are graphgear's, its step replays as kernel calls, and
     logits and the KV cache equal eager's at every step."""
     _built()
-    from transformers import Qwen2Config, Qwen2ForCausalLM, StaticCache
+    from transformers import StaticCache
 
     seen = _products(monkeypatch)
-    cfg = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
-    torch.manual_seed(0)
-    model, ref = Qwen2ForCausalLM(cfg).eval(), Qwen2ForCausalLM(cfg).eval()
-    ref.load_state_dict(model.state_dict())
+    cfg, model, ref = hf_qwen2_pair()
     f = graphgear.inference.serve(model)
     cache, ref_cache = StaticCache(config=cfg, max_cache_len=16), StaticCache(config=cfg, max_cache_len=16)
     tok = ref_tok = torch.randint(3, 100, (batch, 1), generator=torch.Generator().manual_seed(0))
@@ -223,13 +220,9 @@ def test_served_decoder_that_saw_two_batch_sizes_replays_kernel_calls_at_both(mo
     products), not the flash kernel through the generated code. Logits and the KV cache
     equal eager's."""
     _built()
-    from transformers import Qwen2Config, Qwen2ForCausalLM, StaticCache
+    from transformers import StaticCache
 
-    cfg = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
-    torch.manual_seed(0)
-    model, ref = Qwen2ForCausalLM(cfg).eval(), Qwen2ForCausalLM(cfg).eval()
-    ref.load_state_dict(model.state_dict())
+    cfg, model, ref = hf_qwen2_pair()
     f = graphgear.inference.serve(model)
     for batch in (1, 2):
         cache, ref_cache = StaticCache(config=cfg, max_cache_len=16), StaticCache(config=cfg, max_cache_len=16)
