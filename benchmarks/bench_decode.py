@@ -354,7 +354,7 @@ def _first_outputs(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Calla
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", default="small", help="comma-separated: tiny, small, large")
+    ap.add_argument("--sizes", default="small", help="comma-separated: tiny, small, large ('' for none)")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--steps", type=int, default=50, help="steps per contender per round")
     ap.add_argument("--rounds", type=int, default=5)
@@ -378,13 +378,17 @@ def main(argv: list[str] | None = None) -> int:
     contenders.sort(key=lambda c: c != "eager")
     bw = read_bandwidth()
     peak = gemm_peak()
+    sizes = [s for s in a.sizes.split(",") if s]
+    unknown = [s for s in sizes if s not in SIZES]
+    if unknown:
+        ap.error(f"--sizes: unknown {unknown}; choose from {','.join(SIZES)}")
     results = []
-    for size in a.sizes.split(","):
+    for size in sizes:
         r = bench_size(size, a.batch_sizes, a.steps, a.rounds, contenders)
         print_table(r, a.batch_sizes, bw, peak)
         results.append(r)
     scaled = {size: scaling(size, a.scaling, a.batch_sizes, a.steps, a.rounds)
-              for size in a.sizes.split(",")} if a.scaling and len(a.batch_sizes) > 1 else None
+              for size in sizes} if a.scaling and len(a.batch_sizes) > 1 else None
     split = overhead(a.overhead, a.steps, a.rounds) if a.overhead else None
     if a.json:
         with open(a.json, "w") as f:

@@ -819,13 +819,25 @@ def _flash(q, k, v, mask, scale=None):
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask, scale=scale)[0]
 
 
+def _without_attention_kernel(monkeypatch) -> None:
+    """As where graphgear's decode attention kernel cannot be built: the pass writes the
+    attention out instead."""
+    import graphgear.kernels.decode_attention as attention_kernel
+
+    monkeypatch.setattr(attention_kernel, "kernel", lambda: None)
+
+
 @pytest.mark.parametrize("mask_heads", [1, 6], ids=["shared-mask", "per-head-bias"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_attention_matches_the_flash_kernel_masked_rows_and_scale(dtype, mask_heads):
-    """Against the kernel it replaces: a float mask (shared by the heads, or an additive
-    bias per query head: head order across the key/value groups) with a fully masked
-    batch row (zeros, not NaN), a custom scale, grouped heads, and bfloat16 (computed in
-    float32)."""
+@pytest.mark.parametrize("dtype,path", [(torch.float32, "kernel"), (torch.float32, "written-out"),
+                                        (torch.bfloat16, "written-out")])
+def test_decode_attention_matches_the_flash_kernel_masked_rows_and_scale(dtype, path, mask_heads, monkeypatch):
+    """Against the kernel it replaces, by graphgear's kernel (float32) and written out
+    (bfloat16 always, computed in float32; float32 where the kernel is not built): a
+    float mask (shared by the heads, or an additive bias per query head: head order
+    across the key/value groups) with a fully masked batch row (zeros, not NaN), a
+    custom scale, grouped heads."""
+    if path == "written-out":
+        _without_attention_kernel(monkeypatch)
     torch.manual_seed(0)
     q = torch.randn(3, 6, 1, 16, dtype=dtype)
     k, v = torch.randn(3, 2, 20, 16, dtype=dtype), torch.randn(3, 2, 20, 16, dtype=dtype)
@@ -854,14 +866,16 @@ def test_decode_attention_matches_the_flash_kernel_masked_rows_and_scale(dtype, 
     assert last_record().passes.get("decode_attention") == 1
 
 
-def test_decode_attention_stores_the_query_once_for_every_key():
+def test_decode_attention_stores_the_query_once_for_every_key(monkeypatch):
     """The written-out product-sum reads the query once per key. Left a pointwise value,
     Inductor would inline it there and recompute it, a rotary embedding's sines and
     cosines included, for every key (256 keys at batch 4 was 1.22x slower than the flash
     kernel): the pass marks the query stored (Inductor's force-stride-order prim, a no-op
-    in eager mode), and the result still equals the flash kernel's."""
+    in eager mode), and the result still equals the flash kernel's. (The written-out
+    form: where graphgear's kernel is not built.)"""
     from torch.fx.experimental.proxy_tensor import make_fx
 
+    _without_attention_kernel(monkeypatch)
     from graphgear.passes.decode_attention import DecodeAttention
 
     def fn(x, pos, k, v, mask):
@@ -885,10 +899,12 @@ def test_decode_attention_stores_the_query_once_for_every_key():
     assert_close(gm(*args)[0], fn(*args)[0], reduction=10)
 
 
-def test_decode_attention_leaves_long_contexts_causal_and_training_alone():
-    """Past MAX_MACS (long contexts: the flash kernel's blocked products win), with
-    is_causal, and where the log-sum-exp is used (a training forward): not rewritten;
-    results and gradients equal eager's."""
+def test_decode_attention_leaves_long_contexts_causal_and_training_alone(monkeypatch):
+    """Past MAX_MACS (long contexts: the flash kernel's blocked products win) the
+    attention is not written out, with is_causal and where the log-sum-exp is used (a
+    training forward) not rewritten at all; graphgear's kernel takes the long context
+    (it is faster than the flash kernel at every size measured). Results and gradients
+    equal eager's."""
     from graphgear.passes.decode_attention import MAX_MACS
 
     cfg = graphgear.CompilerConfig()
@@ -902,13 +918,18 @@ def test_decode_attention_leaves_long_contexts_causal_and_training_alone():
     def causal(q, k, v):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
 
-    for fn, args in [(long, (q, k, v)), (causal, (q, k[:, :, :5], v[:, :, :5]))]:
-        graphgear.reset()
-        torch._dynamo.reset()
-        f = torch.compile(fn, backend=graphgear.get_backend(cfg))
-        with torch.no_grad():
-            assert_close(f(*args), fn(*args), reduction=64)
-        assert last_record().passes.get("decode_attention", 0) == 0, fn.__name__
+    # with graphgear's kernel, without it (as where it cannot be built)
+    for kernel, fn, args, rewritten in [(True, long, (q, k, v), 1), (True, causal, (q, k[:, :, :5], v[:, :, :5]), 0),
+                                        (False, long, (q, k, v), 0)]:
+        with monkeypatch.context() as m:
+            if not kernel:
+                _without_attention_kernel(m)
+            graphgear.reset()
+            torch._dynamo.reset()
+            f = torch.compile(fn, backend=graphgear.get_backend(cfg))
+            with torch.no_grad():
+                assert_close(f(*args), fn(*args), reduction=64)
+            assert last_record().passes.get("decode_attention", 0) == rewritten, (kernel, fn.__name__)
     graphgear.reset()
     torch._dynamo.reset()
     qt, kt, vt = (torch.randn(2, 4, 1, 8, requires_grad=True) for _ in range(3))

@@ -128,7 +128,7 @@ class _FourLinears(nn.Module):
 def _small_gemm(monkeypatch, on: bool) -> None:
     """graphgear's small-batch product on (the kernel must build here), or off (frozen
     products of 2 to 16 rows go to MKL and, four or more, Inductor's C++ wrapper)."""
-    import graphgear.compilers.small_gemm as small_gemm
+    import graphgear.kernels.small_gemm as small_gemm
 
     if on:
         assert small_gemm.kernel() is not None, "graphgear's small-batch product did not build"

@@ -1,4 +1,4 @@
-"""graphgear's small-batch matrix product (``compilers/small_gemm``): the kernel against
+"""graphgear's small-batch matrix product (``kernels/small_gemm``): the kernel against
 ATen on odd shapes, its misuse, its use in served graphs (checked against eager: outputs
 and the KV cache), the row range it takes, and what happens where it cannot be built."""
 
@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import graphgear
-import graphgear.compilers.small_gemm as small_gemm
+import graphgear.kernels.small_gemm as small_gemm
 from graphgear.capture import CaptureEngine
 from tests.helpers import assert_close, make_config
 from tests.helpers import make_backend as _ro
@@ -126,8 +126,8 @@ def test_where_the_kernel_cannot_be_built_mkl_serves_and_the_reason_is_logged(mo
     def no_compiler(*_a, **_k):  # type: ignore[no-untyped-def]
         raise RuntimeError("g++: not found")
 
-    monkeypatch.setattr(small_gemm, "inductor_load_cpp_kernel", no_compiler)
-    with caplog.at_level(logging.WARNING, logger="graphgear.compilers.small_gemm"):
+    monkeypatch.setattr(graphgear._torch, "inductor_load_cpp_kernel", no_compiler)
+    with caplog.at_level(logging.WARNING, logger="graphgear.kernels"):
         assert small_gemm.kernel.__wrapped__() is None
     assert "could not be built (RuntimeError: g++: not found)" in caplog.text
     assert "MKL's packed GEMM instead" in caplog.text

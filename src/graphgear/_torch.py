@@ -629,14 +629,16 @@ def inductor_load_cpp_kernel(argtypes: Sequence[str], source: str) -> Callable[.
 
 
 def register_inductor_extern_out(target: Any, fn: Callable[..., Any], name: str,
-                                 out_size: Callable[..., list[int]]) -> bool:
+                                 out_size: Callable[..., list[Any]],
+                                 call_kwargs: Callable[..., dict[str, Any]] | None = None) -> bool:
     """Give Inductor a lowering for the custom op ``target`` (tensor arguments first,
-    then ints; a None tensor is left out): an extern kernel writing into a buffer
-    Inductor allocates, called as ``extern_kernels.<name>(*tensors, out=buf)`` from the
-    generated code (what the CPU graph's kernel-call replay reads). ``out_size(*sizes,
-    *ints)`` gives the buffer's size (contiguous fp32 on the first tensor's device); the
-    ints go to it only. Returns False where
-    Inductor already has one (registered once per process: the lowering table and
+    then scalars; a None tensor is left out): an extern kernel writing into a buffer
+    Inductor allocates, called as ``extern_kernels.<name>(*tensors, **kwargs, out=buf)``
+    from the generated code (what the CPU graph's kernel-call replay reads).
+    ``out_size(*sizes, *scalars)`` gives the buffer's size (contiguous fp32 on the first
+    tensor's device); ``call_kwargs(*scalars)`` the scalars passed to the call as
+    keywords (none by default: the scalars then go to ``out_size`` only). Returns False
+    where Inductor already has one (registered once per process: the lowering table and
     ``extern_kernels`` are Inductor's own registries).
 
     ``select_algorithm.ExternKernelChoice(fn, name=...)`` (puts ``fn`` on
@@ -653,10 +655,11 @@ def register_inductor_extern_out(target: Any, fn: Callable[..., Any], name: str,
     @lowering.register_lowering(target, type_promotion_kind=None)
     def _lower(*args: Any) -> Any:
         tensors = [ir.ExternKernel.require_contiguous(a) for a in args if isinstance(a, ir.TensorBox)]
-        ints = [a for a in args if not isinstance(a, ir.TensorBox) and a is not None]
-        size = out_size(*[list(t.get_size()) for t in tensors], *ints)
+        scalars = [a for a in args if not isinstance(a, ir.TensorBox) and a is not None]
+        size = out_size(*[list(t.get_size()) for t in tensors], *scalars)
         layout = ir.FixedLayout(tensors[0].get_device(), torch.float32, size)
-        return choice.bind(tensors, layout).output_node()
+        kwargs = call_kwargs(*scalars) if call_kwargs is not None else {}
+        return choice.bind(tensors, layout, **kwargs).output_node()
 
     return True
 

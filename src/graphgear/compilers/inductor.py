@@ -25,6 +25,7 @@ from torch import fx
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+from .. import kernels
 from .._torch import (
     FakeTensor,
     FakeTensorMode,
@@ -196,7 +197,7 @@ def compile_static(
     afterwards are not seen. That is what ``frozen_parameter`` promises.
 
     On the CPU, products of 2 to 16 rows with a frozen weight go to graphgear's own
-    small-batch product (:mod:`.small_gemm`, packed once here; an extern kernel writing
+    small-batch product (:mod:`graphgear.kernels.small_gemm`, packed once here; an extern kernel writing
     ``out=``, so the code stays straight-line), those of up to 64 rows (or where that
     kernel cannot be built) to MKL's packed GEMM (:mod:`.mkl_pack`; products of the same
     rows grouped into one first); one-row products are Inductor's decomposed
@@ -204,7 +205,8 @@ def compile_static(
     stay ATen products (the large bench_decode model's MLP and vocabulary products at one
     row, served step, same run: C++ GEMM template 13314 µs, ATen 12361); products of more
     rows Inductor's C++ GEMM template. A graph with at least
-    :data:`CPP_WRAPPER_MIN_EXTERN_CALLS` MKL products and none of graphgear's is compiled
+    :data:`CPP_WRAPPER_MIN_EXTERN_CALLS` MKL products and no call of graphgear's kernels
+    (:mod:`graphgear.kernels`) is compiled
     with Inductor's C++ wrapper (the CPU graph then copies its outputs to static buffers).
     """
     register_inductor_lowering()
@@ -229,10 +231,11 @@ def compile_static(
         static = [keep.index(i) for i in static if i in keep]
         # frozen is CPU-only; it packs CPU fp32 weights only
         group_frozen_products(dgm)
-        small = pack_frozen_small(dgm)
-        # graphgear's product is a Python-level extern kernel (the CPU graph calls it
-        # directly): the C++ wrapper is for graphs of MKL's products only
-        cpp_wrapper = pack_frozen_linears(dgm) >= CPP_WRAPPER_MIN_EXTERN_CALLS and not small
+        pack_frozen_small(dgm)
+        # graphgear's kernels (its product, its decode attention) are Python-level extern
+        # kernels (the CPU graph calls them directly): the C++ wrapper is for graphs of
+        # MKL's products only
+        cpp_wrapper = pack_frozen_linears(dgm) >= CPP_WRAPPER_MIN_EXTERN_CALLS and not kernels.calls_in(dgm)
         # products left: Inductor's C++ GEMM template for those of more rows than MKL's
         # packing takes; one-row ones stay Inductor's fused loops, or ATen's product where
         # a weight is too wide for its decomposition (the template is slower at one row)

@@ -17,7 +17,7 @@ inside generated C++ with no call overhead: batch 8 4385 -> 4099 µs, 4171 -> 40
 (two runs); hidden 1024 (128 MB of weights, past the caches) batch 8 23.4 -> 22.2 ms.
 
 Products of 2 to 16 rows go to graphgear's own small-batch product first
-(:func:`pack_frozen_small`, :mod:`.small_gemm`: faster, and it keeps the generated code
+(:func:`pack_frozen_small`, :mod:`graphgear.kernels.small_gemm`: faster, and it keeps the generated code
 straight-line); MKL takes the rest, and all of them where that kernel cannot be built.
 
 :func:`pack_frozen_linears` rewrites, in a static graph whose weights are constants
@@ -36,7 +36,7 @@ import logging
 import torch
 from torch import fx
 
-from . import small_gemm
+from ..kernels import small_gemm
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +154,7 @@ def pack_frozen_linears(gm: fx.GraphModule, *, min_rows: int = MIN_ROWS, max_row
 def pack_frozen_small(gm: fx.GraphModule) -> int:
     """Rewrite ``gm``'s products with frozen weights of :data:`small_gemm.MIN_ROWS` to
     :data:`small_gemm.MAX_ROWS` rows to graphgear's own packed product
-    (``graphgear::packed_linear``, :mod:`.small_gemm`); returns how many. Run before
+    (``graphgear::packed_linear``, :mod:`graphgear.kernels.small_gemm`); returns how many. Run before
     :func:`pack_frozen_linears`, which packs what is left for MKL. Nothing is rewritten
     where the kernel cannot be built here."""
     g = gm.graph

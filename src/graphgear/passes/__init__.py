@@ -31,13 +31,15 @@ from .view_to_reshape import ViewToReshape
 
 
 def _source_hash() -> str:
-    """A hash of every pass's source (this package's files), as vLLM's
+    """A hash of every pass's source (this package's files) and of graphgear's kernels
+    the passes put in graphs (``graphgear/kernels``: their ops and lowerings), as vLLM's
     ``InductorPass.uuid()`` does: a pass that changes what it does to a graph in a way
     the graph's text does not show (node metadata Inductor reads) changes it, with
     nobody to remember a bump."""
     h = hashlib.sha256()
-    for f in sorted(Path(__file__).parent.glob("*.py")):
-        h.update(f.name.encode())
+    here = Path(__file__).parent
+    for f in sorted(here.glob("*.py")) + sorted((here.parent / "kernels").glob("*.py")):
+        h.update(f"{f.parent.name}/{f.name}".encode())
         h.update(f.read_bytes())
     return h.hexdigest()[:16]
 

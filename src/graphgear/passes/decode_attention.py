@@ -1,14 +1,11 @@
-"""Decode attention as generated code: a one-query CPU attention written out in aten
-ops Inductor fuses into its kernels, instead of a call of ATen's flash kernel.
+"""Decode attention without ATen's flash kernel: graphgear's one-query kernel, or the
+attention written out in aten ops Inductor fuses into its kernels.
 
 At a decode step the query has one position. ATen's CPU flash-attention kernel
 (``_scaled_dot_product_flash_attention_for_cpu``) is built for blocks of queries: for
 one query it still transposes, allocates its scratch buffers and splits work, about
 25-50 µs a call whatever the size (4 heads of 32 over 64 keys is 8 K multiply-adds), and
-it is an extern call Inductor cannot fuse with the rotary embedding before it or the
-output projection after it. Written out (scores as a product-sum over the head dim, a
-max-shifted exponent, the weighted sum over keys normalised once at the end) it becomes
-two reductions Inductor generates inline.
+it reads every key of the cache, masked or not.
 
 It rewrites a CPU flash attention when
 
@@ -16,15 +13,28 @@ It rewrites a CPU flash attention when
   query and several keys torch's causal mask would keep the first key only; transformers
   passes a mask instead);
 * its log-sum-exp output is unused (inference; a training forward saves it);
-* the dtype is float32, bfloat16 or float16 (the latter two computed in float32, as the
-  flash kernel accumulates);
-* the attention is small: batch x heads x keys x head dim at most :data:`MAX_MACS`
-  (static sizes; short contexts, where the flash kernel's fixed cost dominates).
+
+into, where every tensor is float32 and the mask is none or ``[1 or B, 1 or H, 1, L]``
+(bool or float32) and graphgear's kernel builds here, a call of
+``graphgear::decode_attention`` (:mod:`graphgear.kernels.decode_attention`: it reads
+only the key and value rows the mask lets through, once per key/value head; an extern
+kernel, so the code stays straight-line for the CPU graph), at any size: measured
+against the flash kernel with every position kept (1 thread; 2 threads alike): 0.66x
+(1 x 4 heads x 4096 keys x 64) to 0.96x (8 x 8 x 1024 x 128); with a third of a static
+cache written, 0.28x (8 x 4 x 1024 x 64). Served step of bench_decode's small Qwen2
+(1 thread, same run, kernel / written-out form): batch 1 0.97, batch 4 0.87, batch 8
+0.80.
+
+Otherwise (bfloat16 or float16, another mask, no kernel), when the attention is small
+(batch x heads x keys x head dim at most :data:`MAX_MACS`: short contexts, where the
+flash kernel's fixed cost dominates), into the written-out form: scores as a
+product-sum over the head dim, a max-shifted exponent, the weighted sum over keys
+normalised once at the end (bfloat16 and float16 computed in float32, as the flash
+kernel accumulates), two reductions Inductor generates inline.
 
 Grouped-query attention (fewer key/value heads, as :mod:`.repeat_kv` leaves it) is kept
 grouped: query head ``h`` reads key/value head ``h // (H / KV)``. A fully masked row gives
-zeros, as the flash kernel does (not NaN). Measured on the small Qwen2 decode step of
-``benchmarks/bench_decode.py``: see :data:`MAX_MACS`.
+zeros, as the flash kernel does (not NaN).
 
 The pass runs only where Inductor compiles the graph (``max-autotune`` and the CPU graph
 of ``reduce-overhead``): run as eager aten ops the written-out form is slower than the
@@ -43,6 +53,7 @@ from torch import fx
 
 from .._torch import inductor_decomp_table, inductor_realize
 from ..config import mode_of
+from ..kernels import decode_attention as attention_kernel
 from ..shapes import known_equal
 from .manager import GraphPass, node_val
 from .ops import inline_decompositions
@@ -55,7 +66,8 @@ __all__ = ["DecodeAttention", "decode_attention"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-#: The largest attention (batch x heads x keys x head dim multiply-adds) rewritten.
+#: The largest attention (batch x heads x keys x head dim multiply-adds) written out
+#: (graphgear's kernel takes float32 attention of any size).
 #: Measured on the small Qwen2 decode step (4 heads of 64, 1 thread; served step, pass
 #: on / off, same run): 64 keys at batch 8 (131 K) 0.92, batch 1 0.92; 256 keys at batch
 #: 1 / 4 / 8 (65 K / 262 K / 524 K) 0.88 / 0.93 / 0.93; 1024 keys at batch 1 (262 K)
@@ -96,29 +108,78 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     return out, query.new_empty((b, h, 1), dtype=torch.float32)
 
 
-def _fits(node: fx.Node) -> bool:
+def _shapes(node: fx.Node) -> tuple[Any, Any, Any, Any] | None:
+    """``(query, key, value, mask)`` values of a CPU flash attention a one-query rewrite
+    may take (inference, no dropout, not causal, one query position, whole groups of
+    query heads per key/value head), else None."""
     if not only_output_used(node):
-        return False  # the log-sum-exp (or the whole tuple) is used: a training forward
+        return None  # the log-sum-exp (or the whole tuple) is used: a training forward
     dropout = node.args[3] if len(node.args) > 3 else node.kwargs.get("dropout_p", 0.0)
     causal = node.args[4] if len(node.args) > 4 else node.kwargs.get("is_causal", False)
     if dropout != 0.0 or causal:
-        return False
+        return None
     q, k, v = (node_val(a) for a in node.args[:3])
     mask = node.kwargs.get("attn_mask")
-    vals = [q, k, v] + ([node_val(mask)] if isinstance(mask, fx.Node) else [])
+    m = node_val(mask) if isinstance(mask, fx.Node) else None
+    vals = [q, k, v] + ([m] if isinstance(mask, fx.Node) else [])
     if not all(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in vals):
-        return False
+        return None
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or q.dtype not in _DTYPES:
-        return False
+        return None
     if not (isinstance(q.shape[2], int) and q.shape[2] == 1):
-        return False
+        return None
     heads, kv = q.shape[1], k.shape[1]
     if not (isinstance(heads, int) and isinstance(kv, int) and kv > 0 and heads % kv == 0):
-        return False
+        return None
     if not (known_equal(k.shape, v.shape) and known_equal(q.shape[3], k.shape[3])):
+        return None
+    return q, k, v, m
+
+
+def _fits(node: fx.Node) -> bool:
+    found = _shapes(node)
+    if found is None:
         return False
-    macs = q.shape[0] * heads * k.shape[2] * q.shape[3]
+    q, k, _, _ = found
+    macs = q.shape[0] * q.shape[1] * k.shape[2] * q.shape[3]
     return isinstance(macs, int) and macs <= MAX_MACS
+
+
+def _kernel_fits(node: fx.Node) -> bool:
+    """Whether graphgear's kernel (:mod:`graphgear.kernels.decode_attention`) takes this
+    attention: float32 throughout, a static head dim, and a mask it reads (none, or
+    ``[1 or B, 1 or H, 1, L]`` bool or float32, also float32 values)."""
+    found = _shapes(node)
+    if found is None:
+        return False
+    q, k, v, m = found
+    if not (q.dtype == k.dtype == v.dtype == torch.float32 and isinstance(q.shape[3], int)):
+        return False
+    if m is None:
+        return node.kwargs.get("attn_mask") is None
+    return (m.dim() == 4 and m.dtype in (torch.bool, torch.float32)
+            and (known_equal(m.shape[0], 1) or known_equal(m.shape[0], q.shape[0]))
+            and (known_equal(m.shape[1], 1) or known_equal(m.shape[1], q.shape[1]))
+            and known_equal(m.shape[2], 1) and known_equal(m.shape[3], k.shape[2]))
+
+
+def _use_kernel(gm: fx.GraphModule, node: fx.Node) -> None:
+    """Replace the flash attention ``node`` (only its output used) by
+    ``graphgear::decode_attention``."""
+    q, k, v = node.args[:3]
+    qv = node_val(q)
+    scale = node.kwargs.get("scale")
+    if scale is None:
+        scale = attention_kernel.default_scale(qv.shape[3])
+    with gm.graph.inserting_before(node):
+        new = gm.graph.call_function(torch.ops.graphgear.decode_attention.default,
+                                     (q, k, v, node.kwargs.get("attn_mask"), float(scale)))
+    new.meta = {k_: v_ for k_, v_ in node.meta.items() if k_ != "val"}
+    new.meta["val"] = qv.new_empty(qv.shape)  # contiguous, as the kernel writes it
+    for user in list(node.users):
+        user.replace_all_uses_with(new)
+        gm.graph.erase_node(user)
+    gm.graph.erase_node(node)
 
 
 class DecodeAttention(GraphPass):
@@ -139,5 +200,13 @@ class DecodeAttention(GraphPass):
         for n in list(gm.graph.find_nodes(op="call_function", target=operator.getitem)):
             if not n.users and isinstance(n.args[0], fx.Node) and n.args[0].target is target:
                 gm.graph.erase_node(n)
+        count = 0
+        kernel_nodes = [n for n in gm.graph.find_nodes(op="call_function", target=target) if _kernel_fits(n)]
+        if kernel_nodes and attention_kernel.kernel() is not None:
+            attention_kernel.register_lowering()
+            for n in kernel_nodes:
+                _use_kernel(gm, n)
+            gm.recompile()
+            count = len(kernel_nodes)
         table = inductor_decomp_table() if decomp_kind(config) == "inductor" else None
-        return inline_decompositions(gm, {target: decode_attention}, select=_fits, decompositions=table)
+        return count + inline_decompositions(gm, {target: decode_attention}, select=_fits, decompositions=table)

@@ -33,15 +33,13 @@ then go to MKL as before.
 from __future__ import annotations
 
 import functools
-import logging
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from .._torch import inductor_load_cpp_kernel, register_inductor_extern_out
-
-log = logging.getLogger(__name__)
+from .._torch import register_inductor_extern_out
+from . import VECTOR_PRELUDE, build
 
 __all__ = ["MAX_ROWS", "MIN_ROWS", "PANEL", "kernel", "pack_bias", "pack_weight", "packed_linear",
            "packed_linear_out", "register_lowering"]
@@ -53,25 +51,10 @@ MAX_ROWS = 16
 #: panel width in floats: the packed weight's layout, fixed for every vector ISA
 PANEL = 32
 
-_SOURCE = r"""
-#include <cstdint>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-#if defined(__AVX512F__)
-constexpr int VW = 16;
-#elif defined(__AVX__)
-constexpr int VW = 8;
-#else
-constexpr int VW = 4;
-#endif
+_SOURCE = VECTOR_PRELUDE + r"""
 constexpr int NB = 32;        // panel width: the packing's layout
 constexpr int NV = NB / VW;   // vectors per panel row
 constexpr int MB = 16 / NV;   // rows per block: 16 vector accumulators
-typedef float vec __attribute__((vector_size(VW * 4)));
-typedef float uvec __attribute__((vector_size(VW * 4), aligned(4)));
-static inline vec vload(const float* p) { return *reinterpret_cast<const uvec*>(p); }
-static inline void vstore(float* p, vec v) { *reinterpret_cast<uvec*>(p) = v; }
 
 template <int MM>
 static void rows(const float* x, int64_t K, const float* wp, const float* b, float* y,
@@ -150,13 +133,8 @@ _ARGTYPES = ("const float*", "const float*", "const float*", "float*",
 def kernel() -> Callable[..., None] | None:
     """The built kernel ``kernel(x, wp, b, y, M, K, N, has_bias, threads)``, or None (logged once)
     where it cannot be built here."""
-    try:
-        return inductor_load_cpp_kernel(_ARGTYPES, _SOURCE)
-    except Exception as e:  # no compiler, or Inductor's build changed: MKL serves instead
-        log.warning("graphgear: its small-batch matrix product could not be built (%s: %s); "
-                    "frozen products of 2 to %d rows use MKL's packed GEMM instead.",
-                    type(e).__name__, str(e).splitlines()[0] if str(e) else "", MAX_ROWS)
-        return None
+    return build("its small-batch matrix product", _ARGTYPES, _SOURCE,
+                 f"frozen products of {MIN_ROWS} to {MAX_ROWS} rows use MKL's packed GEMM")
 
 
 def pack_weight(w: torch.Tensor) -> torch.Tensor:
@@ -186,7 +164,7 @@ def _args(x: torch.Tensor, wp: torch.Tensor, b: torch.Tensor | None, out: torch.
         raise ValueError(
             f"graphgear_packed_linear: x {tuple(x.shape)} {x.dtype}, packed weight {tuple(wp.shape)}, "
             f"bias {None if b is None else tuple(b.shape)}, out {tuple(out.shape)}: expected contiguous "
-            f"fp32 x [M, K], a weight packed by graphgear.compilers.small_gemm.pack_weight ([P, K, "
+            f"fp32 x [M, K], a weight packed by graphgear.kernels.small_gemm.pack_weight ([P, K, "
             f"{PANEL}]), a bias padded by pack_bias, and out [M, N] with N <= P * {PANEL}.")
     return (x, wp, wp if b is None else b, out, x.shape[0], x.shape[1], out.shape[1], int(b is not None),
             torch.get_num_threads())
@@ -199,7 +177,7 @@ def packed_linear_out(x: torch.Tensor, wp: torch.Tensor, b: torch.Tensor | None 
     fn = kernel()
     if fn is None:
         raise RuntimeError("graphgear_packed_linear: the kernel is not built here (see the warning "
-                           "logged by graphgear.compilers.small_gemm); recompile the model.")
+                           "logged by graphgear.kernels.small_gemm); recompile the model.")
     fn(*_args(x, wp, b, out))
     return out
 
