@@ -39,9 +39,7 @@ from . import VECTOR_PRELUDE, build
 
 __all__ = ["decode_attention", "decode_attention_out", "default_scale", "kernel", "mask_fits", "register_lowering"]
 
-# Inductor builds with -ffp-contract=off (its kernels match eager bit for bit); this
-# kernel's sums are its own, so they may use fused multiply-adds
-_SOURCE = '#pragma GCC optimize ("fp-contract=fast")\n' + VECTOR_PRELUDE + r"""
+_SOURCE = VECTOR_PRELUDE + r"""
 #include <cmath>
 #include <limits>
 #include <vector>

@@ -16,7 +16,9 @@ CPU graph replays it as kernel calls (``capture/cpu_graph._Program``) at every b
 
 Measured side by side (2026-12-02, 1 thread, the 17 products of bench_decode's small
 Qwen2 step, 11.6 MB of weights; µs for all 17, MKL packed / this kernel): 1 row 917 /
-581, 2 rows 890 / 640, 4 rows 969 / 647, 8 rows 1164 / 833, 16 rows 1722 / 1519.
+581, 2 rows 890 / 640, 4 rows 969 / 647, 8 rows 1164 / 833, 16 rows 1722 / 1519. Since
+it lets GCC fuse multiply-adds (:data:`graphgear.kernels.VECTOR_PRELUDE`; 2026-12-02,
+same run, fused / not): 2 rows 661 / 675, 8 rows 721 / 858, 16 rows 1333 / 1931 µs.
 
 In the served step of that model (same run, graphgear's / MKL's products), 1 thread:
 batch 2 0.87 and 0.67, batch 4 0.65 and 0.57, batch 8 0.70 and 0.73; 2 threads (the
