@@ -1,5 +1,6 @@
 """A fresh process for tests/test_cache.py and benchmarks/bench_cache.py: build a model
-(fixed seed: the embedded decoder, or a transformers Llama with ``--model llama``), serve
+(fixed seed: the embedded decoder, a transformers Llama with ``--model llama``, or a
+one-query attention over a static cache with ``--model attention``), serve
 it through graphgear.inference.cache_compile (or plain graphgear / torch.compile), print
 one JSON line: outputs' sha256, stats' cache fields, how many AOTAutograd and Inductor
 compiles ran, seconds from interpreter start to imports done and to the first output."""
@@ -31,6 +32,10 @@ def _inputs(model_kind: str, batch: int, gears: list[int], mark: bool) -> tuple[
             graphgear.set_dim_gears(t, {0: gears})
         return t
 
+    if model_kind == "attention":
+        g = torch.Generator().manual_seed(1)
+        x, k, v = (torch.randn(batch, *shape, generator=g) for shape in ((1, 8), (2, 1, 8), (2, 1, 8)))
+        return (x, k, v, torch.tensor([3])), {}
     if model_kind == "llama":
         ids = geared(torch.randint(0, 128, (batch, 8), generator=torch.Generator().manual_seed(1)))
         pos = geared(torch.arange(8).repeat(batch, 1))
@@ -39,8 +44,50 @@ def _inputs(model_kind: str, batch: int, gears: list[int], mark: bool) -> tuple[
     return (tokens, torch.tensor([3])), {}
 
 
-def _model(kind: str, layers: int) -> torch.nn.Module:
+class _DecodeAttention(torch.nn.Module):
+    """One-query attention over a static KV cache in buffers (grouped heads, a boolean
+    mask): what graphgear's decode attention kernel takes."""
+
+    def __init__(self, batch: int, heads: int = 4, kv_heads: int = 2, length: int = 16, dim: int = 8) -> None:
+        super().__init__()
+        self.register_buffer("k_cache", torch.zeros(batch, kv_heads, length, dim))
+        self.register_buffer("v_cache", torch.zeros(batch, kv_heads, length, dim))
+        self.q = torch.nn.Linear(dim, heads * dim)
+        self.heads, self.dim = heads, dim
+
+    def reset_cache(self) -> None:
+        with torch.no_grad():
+            self.k_cache.zero_()
+            self.v_cache.zero_()
+
+    def forward(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        b = x.shape[0]
+        q = self.q(x).view(b, 1, self.heads, self.dim).transpose(1, 2)
+        self.k_cache.index_copy_(2, pos, k)
+        self.v_cache.index_copy_(2, pos, v)
+        mask = (torch.arange(self.k_cache.shape[2]) <= pos)[None, None, None, :]
+        out = torch.nn.functional.scaled_dot_product_attention(q, self.k_cache, self.v_cache, attn_mask=mask,
+                                                               enable_gqa=True)
+        return out.transpose(1, 2).reshape(b, 1, -1)
+
+
+def _kernel_calls() -> int:
+    """Calls of graphgear's kernels in this process's CPU graphs' kernel-call replays."""
+    import gc
+
+    from graphgear.capture import CaptureEngine
+    from graphgear.kernels import decode_attention, small_gemm
+
+    ours = {decode_attention.kernel(), small_gemm.kernel()} - {None}
+    return sum(c[0] in ours for o in gc.get_objects() if type(o) is CaptureEngine
+               for e in o.entries.values() if e.graph is not None and e.graph.program is not None
+               for c in e.graph.program.calls)
+
+
+def _model(kind: str, layers: int, batch: int) -> torch.nn.Module:
     torch.manual_seed(0)
+    if kind == "attention":
+        return _DecodeAttention(batch).eval()
     if kind == "llama":
         from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -57,7 +104,7 @@ def _tensor(out: Any) -> torch.Tensor:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--cache-dir", required=True)
-    p.add_argument("--model", choices=["decoder", "llama"], default="decoder")
+    p.add_argument("--model", choices=["decoder", "llama", "attention"], default="decoder")
     p.add_argument("--mode", default="reduce-overhead")
     p.add_argument("--gears", default="", help="comma-separated gears of the batch dim (none by default)")
     p.add_argument("--batch", type=int, default=4)
@@ -83,7 +130,7 @@ def main() -> None:
     cpu_vec_isa.VecISA.check_build = counted  # type: ignore[method-assign]
 
     t_model = time.perf_counter()
-    model = _model(a.model, a.layers)
+    model = _model(a.model, a.layers, a.batch)
     model_s = time.perf_counter() - t_model  # transformers' import and the model's build
     gears = [int(g) for g in a.gears.split(",") if g]
     mark = bool(gears) and not a.torch_default  # torch's default specialises the batch dim
@@ -123,7 +170,7 @@ def main() -> None:
         "aot_compiles": counters["aot_autograd"]["total"],
         "inductor_compiles": counters["inductor"]["fxgraph_cache_hit"] + counters["inductor"]["fxgraph_cache_miss"]
         + counters["inductor"]["fxgraph_cache_bypass"],
-        "isa_probes": probes[0], "stores": getattr(fn, "stores", 0), "imports_s": T_IMPORTS, "model_s": model_s, "ready_s": ready}))
+        "isa_probes": probes[0], "kernel_calls": _kernel_calls(), "stores": getattr(fn, "stores", 0), "imports_s": T_IMPORTS, "model_s": model_s, "ready_s": ready}))
 
 
 if __name__ == "__main__":

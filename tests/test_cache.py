@@ -81,6 +81,23 @@ def test_hit_compiles_nothing_and_is_bit_equal(tmp_path: Path, mode: str) -> Non
 
 
 @pytest.mark.slow
+def test_hit_runs_graphgears_kernels_in_a_fresh_process(tmp_path: Path) -> None:
+    """Code that calls graphgear's own kernels (the decode attention, an extern kernel
+    of Inductor's generated code) loaded from the cache in a fresh process, which runs
+    no pass: the kernels' lowerings and ``extern_kernels`` entries are registered before
+    it runs, the CPU graph replays it as kernel calls, and the outputs equal the storing
+    process's bit for bit."""
+    folder = tmp_path / "k"
+    folder.mkdir(mode=0o700)
+    run = ("--model", "attention", "--batch", "3", "--steps", "2")
+    first = _worker(folder, *run)
+    assert first["cache"] == ["stored"] and first["kernel_calls"] == 1, first
+    second = _worker(folder, *run)
+    assert second["cache"] == ["hit"] and second["compiles"] == 0 and second["inductor_compiles"] == 0, second
+    assert second["kernel_calls"] == 1 and second["sha"] == first["sha"] and second["steady"], second
+
+
+@pytest.mark.slow
 def test_runtime_recompile_stores_once_per_new_key_not_per_step(tmp_path: Path) -> None:
     """Steps on a compiled key write nothing; a key compiled at run time (a new batch
     size inside the gears) updates the entry once, and a third process loads it too."""

@@ -98,6 +98,7 @@ def compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: Com
     ``key`` the compiled graph is recorded there.
     """
     register_inductor_lowering()
+    kernels.register_lowerings()
     if loaded is not None:
         return _unflattening(loaded.code, pytree.treespec_loads(loaded.spec) if loaded.spec else None)
     spec = _return_tuple(gm)
@@ -210,6 +211,7 @@ def compile_static(
     with Inductor's C++ wrapper (the CPU graph then copies its outputs to static buffers).
     """
     register_inductor_lowering()
+    kernels.register_lowerings()
     frozen = frozen and bool(static_idx)
     fakes = static_fakes(args, allow_constants=frozen)
     dgm = decompose_static(gm, fakes)

@@ -17,6 +17,7 @@ from typing import Any
 
 from torch import fx
 
+from .. import kernels
 from ..artifacts import KeyArtifact
 from ..capture import CaptureEngine, UncapturedGraph, find_uncapturable, graph_device
 from ..capture.rules import warn
@@ -43,6 +44,7 @@ def compile_reduce_overhead(
     device = graph_device(example_inputs)
     if loaded is not None:
         code = loaded.code
+        kernels.register_lowerings()  # the stored code may call graphgear's kernels
         return CaptureEngine(gm, example_inputs, ctx, device,
                              compile_static=lambda *args, **kwargs: code, native_warmup=True)
     blocked = find_uncapturable(gm, device)

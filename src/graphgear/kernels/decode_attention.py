@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from .._torch import register_inductor_extern_out
-from . import VECTOR_PRELUDE, build
+from .build import VECTOR_PRELUDE, build
 
 __all__ = ["decode_attention", "decode_attention_out", "default_scale", "kernel", "mask_fits", "register_lowering"]
 

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from .._torch import register_inductor_extern_out
-from . import VECTOR_PRELUDE, build
+from .build import VECTOR_PRELUDE, build
 
 __all__ = ["MAX_ROWS", "MIN_ROWS", "PANEL", "kernel", "pack_bias", "pack_weight", "packed_linear",
            "packed_linear_out", "register_lowering"]
