@@ -17,6 +17,7 @@ import torch
 import torch.utils.dlpack
 
 import graphgear
+import graphgear.kernels.decode_attention as attention_kernel
 from graphgear.capture import CaptureEngine, liveness
 from graphgear.capture.cpu_graph import CPUGraph
 from tests.helpers import assert_close
@@ -280,7 +281,8 @@ def test_hand_out_again_keeps_reference_counts_as_they_were() -> None:
 def test_served_transformers_decoder_replays_kernel_calls_and_recycles_its_logits(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A served transformers Qwen2 at batch 1: the decode step's generated code is
-    straight-line (one fused kernel) and replays as kernel calls; logits a caller drops
+    straight-line (fused kernels around each layer's call of graphgear's attention
+    kernel) and replays as kernel calls; logits a caller drops
     come back as the next step's logits. Logits and the KV cache equal eager at every
     step, and a step's logits that the caller keeps go stale, never silently change."""
     from transformers import StaticCache
@@ -304,7 +306,11 @@ def test_served_transformers_decoder_replays_kernel_calls_and_recycles_its_logit
             kept = out
         del out
     graphs = [g for g in _graphs_of_all() if g.program is not None]
-    assert graphs and all(len(g.program.calls) == 1 for g in graphs), "one fused kernel per step"
+    assert graphs, "the step should replay as kernel calls"
+    for g in graphs:
+        fns = [c[0] for c in g.program.calls]
+        assert fns.count(attention_kernel.kernel()) == cfg.num_hidden_layers, fns
+        assert len(fns) == 2 * cfg.num_hidden_layers + 1, "a fused kernel before each attention and one after the last"
     new = [b - a for a, b in zip(per_step, per_step[1:])]  # aliases made at steps 1..7
     assert new[3:5] == [0, 0], f"dropped logits should come back as the next step's: {new}"
     assert new[5] == 1 and new[6] == 0, f"kept logits are not handed out again: {new}"
