@@ -1,5 +1,6 @@
 """The package's imports flow one way: backend → pipeline (stats, dumps, passes,
-dispatch by shape) → one compiler per mode → capture per device, with shared leaves
+dispatch by shape) → one compiler per mode → graphgear's kernels → capture per device,
+with shared leaves
 (errors, ``_torch``, config, context, stats, debug, shapes, gears) at the bottom. No cycle, no upward import,
 no import deferred into a function body to hide one."""
 
@@ -23,6 +24,7 @@ LAYERS: list[set[str]] = [
     {"graphgear.config", "graphgear.stats", "graphgear.debug", "graphgear.context"},
     {"graphgear.shapes", "graphgear.inputs", "graphgear.gears", "graphgear.dispatch", "graphgear.artifacts"},
     {"graphgear.capture"},
+    {"graphgear.kernels"},  # graphgear's own C++ kernels: the passes and compilers put them in graphs
     {"graphgear.passes"},
     {"graphgear.compilers"},
     {"graphgear.pipeline", "graphgear.bundle"},
