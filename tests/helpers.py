@@ -165,3 +165,47 @@ def last_record(stage: str = "inference") -> graphgear.stats.GraphRecord:
     recs = [g for g in graphgear.stats().graphs if g.stage == stage]
     assert recs, f"no {stage} graph in {graphgear.stats()}"
     return recs[-1]
+
+
+def unbuildable_kernel(monkeypatch: Any, caplog: Any, kernel: Callable[[], Any]) -> str:
+    """Build one of graphgear's kernels (``kernel``: its cached ``kernel()``) as on a
+    machine without a C++ compiler (the build raises): asserts it gives None and returns
+    the warning logged."""
+    import logging
+
+    def no_compiler(*_a: Any, **_k: Any) -> Any:
+        raise RuntimeError("g++: not found")
+
+    monkeypatch.setattr(graphgear._torch, "inductor_load_cpp_kernel", no_compiler)
+    with caplog.at_level(logging.WARNING, logger="graphgear.kernels"):
+        assert kernel.__wrapped__() is None  # type: ignore[attr-defined]
+    assert "could not be built (RuntimeError: g++: not found)" in caplog.text
+    return str(caplog.text)
+
+
+def ops_compiled(monkeypatch: Any, *targets: Any) -> list[tuple[int, ...]]:
+    """Per static Inductor compile graphgear makes from now on: how many calls of each of
+    ``targets`` (ops) the graph Inductor gets holds."""
+    import graphgear.compilers.inductor as gi
+
+    seen: list[tuple[int, ...]] = []
+    real = gi.inductor_compile_fx_inner
+
+    def spy(gm: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.append(tuple(len(gm.graph.find_nodes(op="call_function", target=t)) for t in targets))
+        return real(gm, *args, **kwargs)
+
+    monkeypatch.setattr(gi, "inductor_compile_fx_inner", spy)
+    return seen
+
+
+def each_thread_count(*counts: int) -> Any:
+    """Iterate over ``counts`` with torch's intra-op thread count set to each in turn;
+    the caller's count is restored after (also when the loop body raises)."""
+    before = torch.get_num_threads()
+    try:
+        for n in counts:
+            torch.set_num_threads(n)
+            yield n
+    finally:
+        torch.set_num_threads(before)

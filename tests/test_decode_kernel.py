@@ -6,7 +6,6 @@ transformers decoders that call it (checked against eager: logits and the KV cac
 from __future__ import annotations
 
 import gc
-import logging
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ import torch
 import graphgear
 import graphgear.kernels.decode_attention as attention_kernel
 from graphgear.capture import CaptureEngine
-from tests.helpers import assert_close
+from tests.helpers import assert_close, each_thread_count, ops_compiled, unbuildable_kernel
 from tests.helpers import make_backend as _ro
 from tests.models import hf_qwen2_pair
 
@@ -95,18 +94,13 @@ def test_kernel_split_over_threads_equals_the_reference() -> None:
     threads (counts that do not split evenly): the same result."""
     _built()
     torch.manual_seed(0)
-    before = torch.get_num_threads()
-    try:
-        for threads in (2, 3):
-            torch.set_num_threads(threads)
-            for b, h, kv, length, d in [(5, 4, 2, 64, 64), (3, 6, 3, 128, 32), (1, 8, 8, 300, 64)]:
-                q, k, v = torch.randn(b, h, 1, d), torch.randn(b, kv, length, d), torch.randn(b, kv, length, d)
-                mask = torch.rand(b, 1, 1, length) > 0.3
-                got = attention_kernel.decode_attention(q, k, v, mask, 0.2)
-                assert_close(got, _reference(q, k, v, mask, 0.2), reduction=length * d,
-                             what=f"{threads} threads, {(b, h, kv, length, d)}")
-    finally:
-        torch.set_num_threads(before)
+    for threads in each_thread_count(2, 3):
+        for b, h, kv, length, d in [(5, 4, 2, 64, 64), (3, 6, 3, 128, 32), (1, 8, 8, 300, 64)]:
+            q, k, v = torch.randn(b, h, 1, d), torch.randn(b, kv, length, d), torch.randn(b, kv, length, d)
+            mask = torch.rand(b, 1, 1, length) > 0.3
+            got = attention_kernel.decode_attention(q, k, v, mask, 0.2)
+            assert_close(got, _reference(q, k, v, mask, 0.2), reduction=length * d,
+                         what=f"{threads} threads, {(b, h, kv, length, d)}")
 
 
 def test_kernel_refuses_what_it_does_not_read() -> None:
@@ -168,24 +162,10 @@ def test_where_the_kernel_cannot_be_built_the_attention_is_written_out(monkeypat
     """No C++ compiler (the build raises): a warning says why and what runs instead, the
     pass writes the attention out for Inductor (no call of the op), and results equal
     eager's."""
-    def no_compiler(*_a, **_k):  # type: ignore[no-untyped-def]
-        raise RuntimeError("g++: not found")
-
-    monkeypatch.setattr(graphgear._torch, "inductor_load_cpp_kernel", no_compiler)
-    with caplog.at_level(logging.WARNING, logger="graphgear.kernels"):
-        assert attention_kernel.kernel.__wrapped__() is None
-    assert "decode attention kernel could not be built (RuntimeError: g++: not found)" in caplog.text
-    assert "runs as generated code" in caplog.text
+    text = unbuildable_kernel(monkeypatch, caplog, attention_kernel.kernel)
+    assert "decode attention kernel could not be built" in text and "runs as generated code" in text
     monkeypatch.setattr(attention_kernel, "kernel", lambda: None)
-    seen: list[int] = []
-    import graphgear.compilers.inductor as gi
-    real = gi.inductor_compile_fx_inner
-
-    def spy(gm, *args, **kwargs):  # type: ignore[no-untyped-def]
-        seen.append(len(gm.graph.find_nodes(op="call_function", target=torch.ops.graphgear.decode_attention.default)))
-        return real(gm, *args, **kwargs)
-
-    monkeypatch.setattr(gi, "inductor_compile_fx_inner", spy)
+    seen = ops_compiled(monkeypatch, torch.ops.graphgear.decode_attention.default)
 
     def fn(q, k, v, mask):  # type: ignore[no-untyped-def]
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask) * 2
@@ -198,4 +178,4 @@ def test_where_the_kernel_cannot_be_built_the_attention_is_written_out(monkeypat
         for _ in range(2):
             assert_close(f(q, k, v, mask), fn(q, k, v, mask), reduction=12 * 16)
     assert graphgear.stats().graphs[-1].passes.get("decode_attention") == 1
-    assert seen and all(n == 0 for n in seen), seen
+    assert seen and all(n == (0,) for n in seen), seen

@@ -5,7 +5,6 @@ and the KV cache), the row range it takes, and what happens where it cannot be b
 from __future__ import annotations
 
 import gc
-import logging
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ from torch import nn
 import graphgear
 import graphgear.kernels.small_gemm as small_gemm
 from graphgear.capture import CaptureEngine
-from tests.helpers import assert_close, make_config
+from tests.helpers import assert_close, each_thread_count, make_config, ops_compiled, unbuildable_kernel
 from tests.helpers import make_backend as _ro
 from tests.models import hf_qwen2_pair
 
@@ -46,17 +45,12 @@ def test_kernel_split_over_threads_equals_aten() -> None:
     not split evenly, rows past one block): the same result as ATen's."""
     _built()
     torch.manual_seed(0)
-    before = torch.get_num_threads()
-    try:
-        for threads in (2, 3):
-            torch.set_num_threads(threads)
-            for m, n, k in [(3, 1000, 64), (9, 33 * 32 + 5, 128), (16, 96, 512)]:
-                x, w, b = torch.randn(m, k), torch.randn(n, k), torch.randn(n)
-                got = small_gemm.packed_linear(x, small_gemm.pack_weight(w), small_gemm.pack_bias(b), n)
-                assert_close(got, torch.nn.functional.linear(x, w, b), reduction=k,
-                             what=f"{threads} threads, rows {m}, N {n}, K {k}")
-    finally:
-        torch.set_num_threads(before)
+    for threads in each_thread_count(2, 3):
+        for m, n, k in [(3, 1000, 64), (9, 33 * 32 + 5, 128), (16, 96, 512)]:
+            x, w, b = torch.randn(m, k), torch.randn(n, k), torch.randn(n)
+            got = small_gemm.packed_linear(x, small_gemm.pack_weight(w), small_gemm.pack_bias(b), n)
+            assert_close(got, torch.nn.functional.linear(x, w, b), reduction=k,
+                         what=f"{threads} threads, rows {m}, N {n}, K {k}")
 
 
 def test_kernel_refuses_a_weight_it_did_not_pack() -> None:
@@ -73,21 +67,9 @@ def test_kernel_refuses_a_weight_it_did_not_pack() -> None:
         small_gemm.packed_linear_out(x, small_gemm.pack_weight(w), None, out=torch.empty(4, 40))
 
 
-def _products(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+def _products(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
     """Per static compile: (graphgear products, MKL products) in the graph Inductor gets."""
-    import graphgear.compilers.inductor as gi
-
-    seen: list[tuple[int, int]] = []
-    real = gi.inductor_compile_fx_inner
-
-    def spy(gm, *args, **kwargs):  # type: ignore[no-untyped-def]
-        find = gm.graph.find_nodes
-        seen.append((len(find(op="call_function", target=torch.ops.graphgear.packed_linear.default)),
-                     len(find(op="call_function", target=torch.ops.mkl._mkl_linear.default))))
-        return real(gm, *args, **kwargs)
-
-    monkeypatch.setattr(gi, "inductor_compile_fx_inner", spy)
-    return seen
+    return ops_compiled(monkeypatch, torch.ops.graphgear.packed_linear.default, torch.ops.mkl._mkl_linear.default)
 
 
 def _mlp() -> nn.Module:
@@ -123,14 +105,7 @@ def test_served_products_of_2_to_16_rows_are_graphgears_and_replay_as_kernel_cal
 def test_where_the_kernel_cannot_be_built_mkl_serves_and_the_reason_is_logged(monkeypatch, caplog) -> None:
     """No C++ compiler (the build raises): a warning says why and what serves instead,
     the frozen products go to MKL, and results equal eager's."""
-    def no_compiler(*_a, **_k):  # type: ignore[no-untyped-def]
-        raise RuntimeError("g++: not found")
-
-    monkeypatch.setattr(graphgear._torch, "inductor_load_cpp_kernel", no_compiler)
-    with caplog.at_level(logging.WARNING, logger="graphgear.kernels"):
-        assert small_gemm.kernel.__wrapped__() is None
-    assert "could not be built (RuntimeError: g++: not found)" in caplog.text
-    assert "MKL's packed GEMM instead" in caplog.text
+    assert "MKL's packed GEMM instead" in unbuildable_kernel(monkeypatch, caplog, small_gemm.kernel)
     if not torch.backends.mkl.is_available():
         return
     monkeypatch.setattr(small_gemm, "kernel", lambda: None)
