@@ -162,7 +162,6 @@ def pack_frozen_small(gm: fx.GraphModule) -> int:
                  if (f := _frozen_product(gm, n, small_gemm.MIN_ROWS, small_gemm.MAX_ROWS)) is not None]
     if not found_any or small_gemm.kernel() is None:
         return 0
-    small_gemm.register_lowering()
     packed: dict[str, str] = {}
     for node, (x, w_node, bias) in found_any:
         w = _constant(gm, w_node)

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from .._torch import register_inductor_extern_out
+from ..shapes import known_equal
 from .build import VECTOR_PRELUDE, build
 
 __all__ = ["decode_attention", "decode_attention_out", "default_scale", "kernel", "mask_fits", "register_lowering"]
@@ -220,12 +221,15 @@ def kernel() -> Callable[..., None] | None:
 
 def mask_fits(mask: Any, batch: Any, heads: Any, length: Any) -> bool:
     """Whether a mask of this (fake or real) tensor's shape and dtype is one the kernel
-    reads: None, or ``[1 or B, 1 or H, 1, L]`` bool or float32."""
+    reads: None, or ``[1 or B, 1 or H, 1, L]`` bool or float32. Sizes may be symbolic:
+    compared without adding guards."""
     if mask is None:
         return True
-    return (isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.dtype in (torch.bool, torch.float32)
-            and mask.shape[0] in (1, batch) and mask.shape[1] in (1, heads) and mask.shape[2] == 1
-            and mask.shape[3] == length)
+    if not (isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.dtype in (torch.bool, torch.float32)):
+        return False
+    b, h, one, n = mask.shape
+    return ((known_equal(b, 1) or known_equal(b, batch)) and (known_equal(h, 1) or known_equal(h, heads))
+            and known_equal(one, 1) and known_equal(n, length))
 
 
 def _args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,

@@ -155,12 +155,9 @@ def _kernel_fits(node: fx.Node) -> bool:
     q, k, v, m = found
     if not (q.dtype == k.dtype == v.dtype == torch.float32 and isinstance(q.shape[3], int)):
         return False
-    if m is None:
-        return node.kwargs.get("attn_mask") is None
-    return (m.dim() == 4 and m.dtype in (torch.bool, torch.float32)
-            and (known_equal(m.shape[0], 1) or known_equal(m.shape[0], q.shape[0]))
-            and (known_equal(m.shape[1], 1) or known_equal(m.shape[1], q.shape[1]))
-            and known_equal(m.shape[2], 1) and known_equal(m.shape[3], k.shape[2]))
+    if m is None and node.kwargs.get("attn_mask") is not None:
+        return False
+    return attention_kernel.mask_fits(m, q.shape[0], q.shape[1], k.shape[2])
 
 
 def _use_kernel(gm: fx.GraphModule, node: fx.Node) -> None:
@@ -202,8 +199,7 @@ class DecodeAttention(GraphPass):
                 gm.graph.erase_node(n)
         count = 0
         kernel_nodes = [n for n in gm.graph.find_nodes(op="call_function", target=target) if _kernel_fits(n)]
-        if kernel_nodes and attention_kernel.kernel() is not None:
-            attention_kernel.register_lowering()
+        if kernel_nodes and attention_kernel.kernel() is not None:  # lowered by compilers/inductor
             for n in kernel_nodes:
                 _use_kernel(gm, n)
             gm.recompile()
