@@ -116,6 +116,8 @@ def compiled(name: str, model: torch.nn.Module) -> Callable[..., Any]:
         return torch.compile(model)
     if name == "gg serving":
         return graphgear.inference.serve(model)
+    if name == "gg serving via dynamo":  # every call through dynamo's frame evaluation
+        return graphgear.inference.serve(model, direct=False)
     cfg = graphgear.CompilerConfig()
     cfg.mode = "max-autotune" if name.endswith("max-autotune") else "reduce-overhead"
     if name.endswith("frozen"):
@@ -248,6 +250,7 @@ def overhead(size: str, steps: int, rounds: int) -> dict[str, float]:
 
     graphgear.reset()
     dec = Decoder("gg serving", build(size), 1)
+    via = Decoder("gg serving via dynamo", dec.model, 1)
     bare = torch.compile(lambda x: x, backend=graphgear.get_backend())
     # the model's own Python and dynamo's frame and guards, with no kernels and no
     # AOTAutograd: a backend whose graph returns the outputs of its first run
@@ -258,6 +261,7 @@ def overhead(size: str, steps: int, rounds: int) -> dict[str, float]:
     with torch.no_grad():
         for _ in range(4):
             dec.step()
+            via.step()
             shell.step()
             bare(x)
         engines = [o for o in gc.get_objects() if type(o) is CaptureEngine
@@ -266,17 +270,18 @@ def overhead(size: str, steps: int, rounds: int) -> dict[str, float]:
                      if e.graph is not None)
         n = min(steps, MAX_LEN - 4)
 
-        def timed(fn: Callable[[], Any]) -> float:
-            dec.cache.reset()
-            dec.pos = 0
+        def timed(fn: Callable[[], Any], d: Decoder = dec) -> float:
+            d.cache.reset()
+            d.pos = 0
             t0 = time.perf_counter()
             for _ in range(n):
                 fn()
             return (time.perf_counter() - t0) / n * 1e6
 
-        parts: dict[str, list[float]] = {"step": [], "kernels": [], "bare": [], "shell": []}
+        parts: dict[str, list[float]] = {"step": [], "kernels": [], "bare": [], "shell": [], "via_dynamo": []}
         for _ in range(rounds):
             parts["step"].append(timed(dec.step))
+            parts["via_dynamo"].append(timed(via.step, via))
             parts["kernels"].append(timed(graph.replay))
             parts["bare"].append(timed(lambda: bare(x)))
             parts["shell"].append(timed(shell.step))
@@ -285,6 +290,9 @@ def overhead(size: str, steps: int, rounds: int) -> dict[str, float]:
     print(f"\n{size}, served batch-1 step: {med['step']:.0f} us; kernels (replay alone) "
           f"{med['kernels']:.0f} us + bare compiled call {med['bare']:.1f} us = {floor:.0f} us; "
           f"step / that = {med['step'] / floor:.2f}x (target <= 1.5x)")
+    print(f"  the same served model with every call through dynamo's frame evaluation "
+          f"(serve(direct=False)): {med['via_dynamo']:.0f} us; direct / that = "
+          f"{med['step'] / med['via_dynamo']:.2f}x")
     rest = med["step"] - med["kernels"] - med["shell"]
     print(f"  the model's Python and dynamo's frame and guards alone (a backend returning stored "
           f"outputs): {med['shell']:.0f} us; so AOTAutograd's wrapper and graphgear's engine take "

@@ -30,6 +30,7 @@ LAYERS: list[set[str]] = [
     {"graphgear.pipeline", "graphgear.bundle"},
     {"graphgear.backend"},
     {"graphgear.cache"},
+    {"graphgear.served"},  # a served model's calls (graphgear.inference.serve)
     {"graphgear.inference", "graphgear.bench"},
     {"graphgear", "graphgear.cli"},
 ]

@@ -119,7 +119,11 @@ __all__ = [
     "count_tangents",
     "decomp_fused_rms_norm",
     "decomp_fused_rms_norm_backward",
+    "dynamo_code_function",
+    "dynamo_entries",
+    "dynamo_frame_active",
     "dynamo_graph_arg",
+    "dynamo_region",
     "enable_python_dispatcher",
     "fake_mode_of",
     "get_backed_size_oblivious",
@@ -146,6 +150,7 @@ __all__ = [
     "is_boxed",
     "make_boxed_func",
     "mark_dynamic",
+    "module_call_hooks",
     "non_owning_storage",
     "pattern_matcher_pass",
     "pytree",
@@ -334,6 +339,85 @@ def mark_dynamic(t: torch.Tensor, dim: int) -> None:
     import torch._dynamo
 
     torch._dynamo.mark_dynamic(t, dim)
+
+
+# dynamo's frame cache, read by graphgear.served on every served call (so bound once here;
+# graphgear's import already imports torch._dynamo). Checked on 2.13; notes below.
+from torch._dynamo import eval_frame as _dynamo_eval_frame  # noqa: E402
+from torch.nn.modules import module as _nn_module  # noqa: E402
+
+_cache_entries_for_region = getattr(_dynamo_eval_frame, "_get_cache_entries_for_region", None)
+_eval_frame_callback = torch._C._dynamo.eval_frame.get_eval_frame_callback
+
+
+def dynamo_region(compiled: Any) -> int | None:
+    """The ``isolate_recompiles`` region of a ``torch.compile`` result (an
+    ``OptimizedModule`` or a compiled function), None when it has none.
+
+    ``OptimizedModule.dynamo_ctx._isolate_recompiles_id`` / a compiled function's
+    ``_isolate_recompiles_id``: checked on 2.13 (``isolate_recompiles`` is new in 2.13).
+    If it went, a served model would run every call through dynamo's frame evaluation
+    (correct, slower: see ``graphgear.served``)."""
+    ctx = getattr(compiled, "dynamo_ctx", None)
+    rid = getattr(ctx if ctx is not None else compiled, "_isolate_recompiles_id", None)
+    return rid if isinstance(rid, int) and rid >= 0 else None
+
+
+def dynamo_entries(code: types.CodeType, region: int) -> list[tuple[Any, types.CodeType]]:
+    """``(guard manager, compiled code)`` of each of dynamo's cache entries for ``code``
+    in one ``isolate_recompiles`` region, most recently used first; [] when there are
+    none or this torch cannot list them.
+
+    ``torch._dynamo.eval_frame._get_cache_entries_for_region`` and
+    ``CacheEntry.guard_manager`` / ``.code``: checked on 2.13; the guard manager's
+    ``check(f_locals)`` is what dynamo's frame evaluation runs (``guards.py``, 2.13). If
+    they moved, a served model would run every call through dynamo's frame evaluation."""
+    if _cache_entries_for_region is None:
+        return []
+    return [(e.guard_manager, e.code) for e in _cache_entries_for_region(code, region)]
+
+
+def dynamo_code_function(code: types.CodeType, fn: types.FunctionType) -> types.FunctionType | None:
+    """dynamo's compiled code for a frame of ``fn`` as a plain function (``fn``'s
+    globals, defaults and closure), None for code with a graph break.
+
+    The compiled code reads its graphs (``__compiled_fn_*``) from the frame's globals,
+    where dynamo installs them, and keeps the frame's signature, so it runs as ``fn``
+    would (vLLM's dispatcher runs it the same way). A graph break's resume functions
+    (``__resume_at_*``) are compiled by dynamo's frame evaluation when called, so code
+    calling one must go through dynamo. Checked on 2.13 (``bytecode_transformation``,
+    ``resume_execution``)."""
+    if any(name.startswith("__resume_at_") for name in code.co_names):
+        return None
+    run = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    run.__kwdefaults__ = fn.__kwdefaults__
+    return run
+
+
+def dynamo_frame_active() -> bool:
+    """Whether a call now would not be a plain top-level call of compiled code: dynamo's
+    frame callback is set (inside another compiled call or a trace) or the compiler
+    stance is not ``default`` (``torch.compiler.set_stance``).
+
+    ``torch._C._dynamo.eval_frame.get_eval_frame_callback`` and
+    ``torch._dynamo.eval_frame._stance``: checked on 2.13 (``set_stance`` reads both)."""
+    # is_compiling first: under a trace dynamo folds it to True and never reaches the
+    # callback query, which it cannot trace
+    return (torch.compiler.is_compiling() or _eval_frame_callback() is not None
+            or _dynamo_eval_frame._stance.stance != "default")
+
+
+def module_call_hooks(module: torch.nn.Module) -> bool:
+    """Whether calling ``module`` would run hooks (its own or global ones) around its
+    ``forward``: the test ``nn.Module._call_impl`` makes before its fast path.
+
+    ``Module._forward_hooks`` / ``_forward_pre_hooks`` / ``_backward_hooks`` /
+    ``_backward_pre_hooks`` and ``torch.nn.modules.module._global_*_hooks``: checked on
+    2.13 (``_call_impl``, 2.11 to 2.14)."""
+    m = _nn_module
+    return bool(module._backward_hooks or module._backward_pre_hooks or module._forward_hooks
+                or module._forward_pre_hooks or m._global_backward_pre_hooks or m._global_backward_hooks
+                or m._global_forward_hooks or m._global_forward_pre_hooks)
 
 
 def backend_compiler_failed(backend: Any, exc: BaseException, frame: Any) -> Exception:

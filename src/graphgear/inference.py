@@ -44,10 +44,11 @@ from .cache import cache_compile
 from .config import CompilerConfig
 from .dispatch import precompile_gears
 from .gears import set_dim_gears
+from .served import ServedModel
 
 log = logging.getLogger(__name__)
 
-__all__ = ["cache_compile", "precompile_gears", "serve", "serving_guard_filter", "set_dim_gears"]
+__all__ = ["ServedModel", "cache_compile", "precompile_gears", "serve", "serving_guard_filter", "set_dim_gears"]
 
 
 def serving_guard_filter(guard_entries: list[Any]) -> list[bool]:
@@ -61,11 +62,17 @@ def serving_guard_filter(guard_entries: list[Any]) -> list[bool]:
             for e, keep in zip(guard_entries, no_modules)]
 
 
-def serve(model: Callable[..., Any], config: CompilerConfig | None = None, **compile_kwargs: Any) -> Any:
+def serve(model: Callable[..., Any], config: CompilerConfig | None = None, *, direct: bool = True,
+          **compile_kwargs: Any) -> ServedModel:
     """``torch.compile(model)`` with graphgear for serving: the config's mode (default
     ``reduce-overhead`` here), ``frozen_parameter`` on, and :func:`serving_guard_filter`.
     ``compile_kwargs`` go to ``torch.compile`` (``fullgraph``, ``dynamic``). The risks
-    are in the module docstring."""
+    are in the module docstring.
+
+    Returns a :class:`graphgear.served.ServedModel`: with ``direct`` (the default) a
+    call whose compiled code dynamo's guards accept runs that code without dynamo's frame
+    evaluation (the same guards, checked by dynamo's own guard managers; see
+    ``graphgear.served``); ``direct=False`` sends every call through dynamo."""
     if config is None:
         config = CompilerConfig()
         config.mode = "reduce-overhead"
@@ -79,4 +86,5 @@ def serve(model: Callable[..., Any], config: CompilerConfig | None = None, **com
     else:
         log.warning("graphgear.inference.serve: this torch has no isolate_recompiles; serve one "
                     "instance per model class in a process (see graphgear.inference).")
-    return torch.compile(model, backend=get_backend(config), options=options, **compile_kwargs)
+    compiled = torch.compile(model, backend=get_backend(config), options=options, **compile_kwargs)
+    return ServedModel(compiled, model, direct=direct)

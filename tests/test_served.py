@@ -1,0 +1,212 @@
+"""graphgear.served.ServedModel: a served call runs dynamo's compiled code without
+dynamo's frame evaluation exactly where dynamo would run that code, and goes through
+dynamo otherwise; every answer equals eager's (and torch.compile's)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import torch
+
+import graphgear
+from graphgear.served import ServedModel
+from tests.helpers import assert_close
+
+
+def _served(fn: Any, compiles: list[int] | None = None, **kw: Any) -> ServedModel:
+    """``fn`` compiled by dynamo with a backend that counts its compiles (and runs the
+    graph as it is), in its own isolate_recompiles region, as serve() compiles."""
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        if compiles is not None:
+            compiles.append(1)
+        return gm.forward
+
+    return ServedModel(torch.compile(fn, backend=backend, isolate_recompiles=True, **kw), fn)
+
+
+def test_every_argument_form_binds_as_python_does() -> None:
+    scale = torch.tensor(3.0)
+
+    def fn(a, b=None, *rest, k=2.0, **extra):  # type: ignore[no-untyped-def]
+        out = a * k * scale  # scale: a free variable (the closure)
+        if b is not None:
+            out = out + b
+        for r in rest:
+            out = out - r
+        for v in extra.values():
+            out = out * v
+        return out
+
+    f = _served(fn)
+    x, y = torch.randn(3), torch.randn(3)
+    calls = [((x,), {}), ((x, y), {}), ((x,), {"b": y}), ((x, y, x), {}), ((x,), {"k": 0.5}),
+             ((x,), {"b": y, "z": y}), ((x, None, y, y), {"k": 1.5, "w": x})]
+    for args, kwargs in calls:
+        for _ in range(3):  # the first call of each form compiles, the next ones run direct
+            assert_close(f(*args, **kwargs), fn(*args, **kwargs), reduction=1)
+    assert f.direct_calls >= 2 * len(calls)
+    with pytest.raises(TypeError):  # no binding: dynamo's path raises Python's error
+        f(x, y, b=y)
+    with pytest.raises(TypeError):
+        f()
+
+
+def test_a_guard_that_fails_compiles_again_and_later_calls_run_direct() -> None:
+    compiles: list[int] = []
+
+    class State:
+        sign = 1.0
+
+    state = State()
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return x * state.sign
+
+    f = _served(fn, compiles)
+    x = torch.randn(4)
+
+    def twice(arg: torch.Tensor, want: torch.Tensor) -> None:
+        """The first call may compile; the second runs the entry it found, direct."""
+        assert_close(f(arg), want, reduction=1)
+        direct = f.direct_calls
+        assert_close(f(arg), want, reduction=1)
+        assert f.direct_calls == direct + 1
+
+    twice(x, x)
+    n = len(compiles)
+    state.sign = -1.0  # a guarded Python value: no entry passes, dynamo compiles again
+    twice(x, -x)
+    assert len(compiles) == n + 1
+    twice(x.double(), -x.double())  # a tensor guard (dtype)
+    twice(torch.ones(2, 2), -torch.ones(2, 2))  # and its shape
+    state.sign = 1.0
+    twice(x, x)
+    with torch.enable_grad():  # grad mode is a global-state guard
+        w = torch.randn(4, requires_grad=True)
+        f(w).sum().backward()
+        assert_close(w.grad, torch.ones(4), reduction=1)
+
+
+class _Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).relu()
+
+
+def test_module_hooks_run_and_the_modules_own_forward_is_called() -> None:
+    net = _Net()
+    f = _served(net)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        for _ in range(3):
+            assert_close(f(x), net(x), reduction=4)
+        direct = f.direct_calls
+        assert direct >= 1
+        h = net.register_forward_hook(lambda m, a, out: out * 0)
+        assert (f(x) == 0).all()  # nn.Module.__call__ runs the hook: the direct path would not
+        assert f.direct_calls == direct
+        h.remove()
+        assert_close(f(x), net(x), reduction=4)
+        assert f.direct_calls == direct + 1
+        net.forward = lambda t: t + 1  # an instance forward: not the compiled function
+        assert_close(f(x), x + 1, reduction=1)
+        assert f.direct_calls == direct + 1
+    torch_module = _served(torch.nn.Linear(4, 4))  # dynamo wraps torch's own modules' call:
+    for _ in range(3):  # there is no frame of theirs to run direct, so dynamo runs each call
+        torch_module(x)
+    assert torch_module.direct_calls == 0
+
+
+def test_a_graph_break_goes_through_dynamo() -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        y = x.sin()
+        torch._dynamo.graph_break()
+        return y.cos()
+
+    f = _served(fn)
+    x = torch.randn(5)
+    for _ in range(3):
+        assert_close(f(x), x.sin().cos(), reduction=1)
+    assert f.direct_calls == 0 and f.dynamo_calls == 3
+
+
+def test_stances_nested_compiles_and_reset_go_through_dynamo() -> None:
+    compiles: list[int] = []
+    f = _served(lambda x: x * 2, compiles)
+    x = torch.randn(3)
+    f(x)
+    f(x)
+    assert f.direct_calls == 1
+    with torch.compiler.set_stance("force_eager"):
+        assert_close(f(x), x * 2, reduction=1)
+    outer = torch.compile(lambda t: f(t) + 1, backend="eager")
+    assert_close(outer(x), x * 2 + 1, reduction=1)
+    assert f.direct_calls == 1
+    n = len(compiles)
+    graphgear.reset()  # dynamo's caches cleared: the next call compiles again
+    assert_close(f(x), x * 2, reduction=1)
+    assert len(compiles) == n + 1 and f.direct_calls == 1
+    f(x)
+    assert f.direct_calls == 2
+
+
+def test_a_captured_argument_cell_binds() -> None:
+    def fn(x: torch.Tensor, n: int = 2) -> torch.Tensor:
+        def inner() -> torch.Tensor:  # x and n are cells of fn's frame
+            return x * n
+        return inner() + 1
+
+    f = _served(fn)
+    x = torch.randn(3)
+    for n in (2, 2, 3, 3):
+        assert_close(f(x, n), x * n + 1, reduction=1)
+    assert f.direct_calls >= 2
+
+
+def test_threads_calling_one_direct_path_get_their_own_results() -> None:
+    f = _served(lambda x, k: x * k)
+    f(torch.ones(2), 1.0)
+    errors: list[BaseException] = []
+
+    def worker(i: int) -> None:
+        try:
+            for _ in range(200):
+                x = torch.full((2,), float(i))
+                out = f(x, 1.0)
+                assert torch.equal(out, x), (i, out)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    assert f.direct_calls > 400
+
+
+@pytest.mark.inductor
+@torch.no_grad()
+def test_serve_runs_direct_and_direct_false_never_does() -> None:
+    from graphgear.toy_decoder import DecoderConfig, ToyDecoder
+
+    cfg = DecoderConfig(vocab_size=64, hidden_size=32, num_layers=2, intermediate_size=64, max_seq_len=16)
+    model, ref = ToyDecoder(cfg).eval(), ToyDecoder(cfg).eval()
+    ref.load_state_dict(model.state_dict())
+    f, g = graphgear.inference.serve(model), graphgear.inference.serve(ref, direct=False)
+    assert isinstance(f, ServedModel) and f.layers is model.layers  # attributes are the model's
+    tok = torch.tensor([[3]])
+    for p in range(6):
+        out, want = f(tok, torch.tensor([p])), g(tok, torch.tensor([p]))
+        assert_close(out, want, reduction=64)
+        assert_close(model.layers[0].attn.k_cache, ref.layers[0].attn.k_cache, reduction=64)
+        tok = want[:, -1:].argmax(-1)
+    assert f.direct_calls >= 4 and g.direct_calls == 0
+    rec = graphgear.stats().graphs
+    assert sum(r.captures for r in rec) == 2  # one capture each: the direct path replays it
