@@ -210,3 +210,79 @@ def test_serve_runs_direct_and_direct_false_never_does() -> None:
     assert f.direct_calls >= 4 and g.direct_calls == 0
     rec = graphgear.stats().graphs
     assert sum(r.captures for r in rec) == 2  # one capture each: the direct path replays it
+
+
+@pytest.mark.inductor
+@torch.no_grad()
+def test_served_gears_run_direct_and_a_size_outside_them_raises_then_serving_goes_on() -> None:
+    net = _Net().eval()
+    f = graphgear.inference.serve(net)
+
+    def call(n: int) -> torch.Tensor:
+        x = torch.randn(n, 4)
+        graphgear.set_dim_gears(x, {0: [1, 2, 4]})
+        out = f(x)
+        assert_close(out, net(x), reduction=4)
+        return out
+
+    for n in (1, 2, 4, 2, 1, 4, 4):
+        call(n)
+    direct = f.direct_calls
+    assert direct >= 4  # one dynamo entry for every gear: the later calls run direct
+    with pytest.raises(graphgear.GearError, match="3"):
+        call(3)  # outside the gears: the compiled code raises, through the direct path too
+    call(2)
+    assert f.direct_calls > direct
+
+
+@pytest.mark.slow
+@pytest.mark.inductor
+@torch.no_grad()
+def test_threads_decode_one_served_transformers_model_each_with_its_cache() -> None:
+    """Three threads decode with one served Qwen2 (direct path, graphgear's attention
+    kernel, one CPU graph per thread), each its own StaticCache and prompt: every
+    thread's logits and cache equal eager's."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM, StaticCache
+
+    cfg = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model, ref = Qwen2ForCausalLM(cfg).eval(), Qwen2ForCausalLM(cfg).eval()
+    ref.load_state_dict(model.state_dict())
+    f = graphgear.inference.serve(model)
+    start = threading.Barrier(3)
+    results: dict[int, list[torch.Tensor]] = {}
+    errors: list[BaseException] = []
+
+    def decode(fn: Any, first: int, wait: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
+        cache = StaticCache(config=cfg, max_cache_len=16)
+        tok, outs = torch.tensor([[first]]), []
+        if wait:
+            start.wait()
+        for p in range(6):
+            out = fn(input_ids=tok, cache=cache, position_ids=torch.tensor([[p]]), use_cache=True).logits
+            outs.append(out.clone())
+            tok = out[:, -1:].argmax(-1)
+        return outs, cache.layers[1].keys.clone()
+
+    def worker(i: int) -> None:
+        try:
+            with torch.no_grad():  # grad mode is per thread
+                results[i] = decode(f, 5 + i, True)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    decode(f, 3, False)  # compile first: the threads then run the compiled code at once
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    for i in range(3):
+        want, want_keys = decode(ref, 5 + i, False)
+        got, keys = results[i]
+        for g, w in zip(got, want):
+            assert_close(g, w, reduction=128)
+        assert_close(keys, want_keys, reduction=64)
+    assert f.direct_calls >= 3 * 5
