@@ -123,6 +123,7 @@ __all__ = [
     "dynamo_entries",
     "dynamo_frame_active",
     "dynamo_graph_arg",
+    "dynamo_parameters_as_constants",
     "dynamo_region",
     "enable_python_dispatcher",
     "fake_mode_of",
@@ -392,6 +393,19 @@ def dynamo_code_function(code: types.CodeType, fn: types.FunctionType) -> types.
     run = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
     run.__kwdefaults__ = fn.__kwdefaults__
     return run
+
+
+def dynamo_parameters_as_constants() -> Any:
+    """A context manager under which dynamo compiles a module's parameters into the
+    graph (``torch._dynamo.config.install_free_tensors``) instead of passing each as an
+    input the compiled code fetches on every call.
+
+    Checked on 2.13 (a ``torch._dynamo.config`` option since 2.6). Used only for a
+    served model (``graphgear.served``), whose parameters are final: the served step is
+    6-7 % faster (28 fewer inputs on a 2-layer Qwen2). If it went, ``patch`` raises."""
+    from torch._dynamo import config as dynamo_config
+
+    return dynamo_config.patch(install_free_tensors=True)
 
 
 def dynamo_frame_active() -> bool:

@@ -16,7 +16,10 @@ the rest: the tensor guards (shapes, dtypes, strides, devices), torch's global s
 hidden 128, reduce-overhead with frozen parameters, batch 1, 1 thread): every guard 683
 µs a step, modules dropped 568 µs, globals dropped too 516 µs. :func:`serve` also sets
 ``experimental_config.frozen_parameter``: parameters keep their address and value, so
-the CPU graph packs the weights once (fast small-batch matmuls).
+the CPU graph packs the weights once (fast small-batch matmuls). It returns a
+:class:`graphgear.served.ServedModel`, which runs the compiled code dynamo's guards accept
+without dynamo's frame evaluation, and lets dynamo compile the (final) parameters into the
+graph (see ``graphgear.served``).
 
 Risks (why it is opt-in): after :func:`serve`, changing the model is not seen: a module
 attribute or config field set later, ``model.train()``, a hook added, a parameter
@@ -87,4 +90,4 @@ def serve(model: Callable[..., Any], config: CompilerConfig | None = None, *, di
         log.warning("graphgear.inference.serve: this torch has no isolate_recompiles; serve one "
                     "instance per model class in a process (see graphgear.inference).")
     compiled = torch.compile(model, backend=get_backend(config), options=options, **compile_kwargs)
-    return ServedModel(compiled, model, direct=direct)
+    return ServedModel(compiled, model, direct=direct, frozen=True)

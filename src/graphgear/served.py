@@ -45,6 +45,7 @@ from ._torch import (
     dynamo_code_function,
     dynamo_entries,
     dynamo_frame_active,
+    dynamo_parameters_as_constants,
     dynamo_region,
     module_call_hooks,
 )
@@ -119,10 +120,17 @@ def _frame_function(target: Any) -> tuple[types.FunctionType | None, tuple[Any, 
 
 class ServedModel:
     """``compiled`` (``torch.compile(target, ...)``) called without dynamo's frame
-    evaluation where dynamo would run compiled code: see the module docstring."""
+    evaluation where dynamo would run compiled code: see the module docstring.
 
-    def __init__(self, compiled: Callable[..., Any], target: Any, *, direct: bool = True) -> None:
+    ``frozen``: the target's parameters are final (``frozen_parameter``): dynamo
+    compiles them into the graph instead of passing each as an input fetched on every
+    call (``install_free_tensors``, set around the calls that go through dynamo, where
+    it compiles)."""
+
+    def __init__(self, compiled: Callable[..., Any], target: Any, *, direct: bool = True,
+                 frozen: bool = False) -> None:
         self._compiled = compiled
+        self._frozen = frozen
         self._module = target if isinstance(target, torch.nn.Module) else None
         fn, self._prefix = _frame_function(target)
         self._fn = fn
@@ -141,6 +149,9 @@ class ServedModel:
         run = self._lookup(args, kwargs)
         if run is None:
             self.dynamo_calls += 1
+            if self._frozen:  # parameters are final: compiled into the graph, not fetched per call
+                with dynamo_parameters_as_constants():
+                    return self._compiled(*args, **kwargs)
             return self._compiled(*args, **kwargs)
         self.direct_calls += 1
         return run(*self._prefix, *args, **kwargs)
