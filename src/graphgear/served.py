@@ -172,9 +172,12 @@ class ServedModel:
         f_locals = binder.bind(self._prefix + args, kwargs)
         if f_locals is None:
             return None
-        for guard, code in entries:
-            if guard.check(f_locals):
-                return self._function(code)
+        try:
+            for guard, code in entries:
+                if guard.check(f_locals):
+                    return self._function(code)
+        except Exception:  # noqa: BLE001 - a guard that raises: dynamo's path decides (and reports)
+            log.debug("graphgear.served: a guard check raised; the call goes through dynamo", exc_info=True)
         return None
 
     def _function(self, code: types.CodeType) -> types.FunctionType | None:
