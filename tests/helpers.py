@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -209,3 +210,25 @@ def each_thread_count(*counts: int) -> Any:
             yield n
     finally:
         torch.set_num_threads(before)
+
+
+def run_threads(worker: Callable[[int], Any], n: int, timeout: float = 600) -> None:
+    """Run ``worker(0)`` .. ``worker(n - 1)`` in ``n`` threads at once and join them:
+    fails if one hangs past ``timeout`` seconds, and re-raises the first exception a
+    worker raised (the others are counted in the message)."""
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            worker(i)
+        except BaseException as e:  # noqa: BLE001 - re-raised below, in the caller's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout)
+    assert not any(t.is_alive() for t in threads), "a thread hung"
+    if errors:
+        raise AssertionError(f"{len(errors)} of {n} threads failed; the first:") from errors[0]

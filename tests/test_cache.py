@@ -19,6 +19,7 @@ import graphgear
 from graphgear import cache as gcache
 from graphgear.cachedir import unsafe_reason
 from graphgear.cli import main as cli_main
+from tests.helpers import run_threads
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "cache_worker.py"
@@ -277,27 +278,16 @@ def test_unsafe_folder_is_not_used(tmp_path: Path, caplog: pytest.LogCaptureFixt
 
 
 def test_racing_writers_both_succeed_and_entry_is_whole(tmp_path: Path) -> None:
-    import threading
-
     folder = tmp_path / "race"
     folder.mkdir(mode=0o700)
     path = str(folder / "f-x.ggc")
     payloads = [bytes([i]) * 200_000 for i in range(2)]
-    errors: list[BaseException] = []
 
     def write(i: int) -> None:
-        try:
-            for _ in range(20):
-                gcache._write_entry(path, "f", "k", {"a": "b"}, payloads[i])
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
+        for _ in range(20):
+            gcache._write_entry(path, "f", "k", {"a": "b"}, payloads[i])
 
-    threads = [threading.Thread(target=write, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
+    run_threads(write, 2)
     header, payload = gcache._read_trusted(path)
     assert payload in payloads and header["key"] == "k"
     assert [p.name for p in folder.iterdir() if p.name.startswith(".tmp-")] == []

@@ -28,7 +28,7 @@ import graphgear
 from graphgear import GearError
 from graphgear.capture import MemoryPool, liveness
 from graphgear.capture.cpu_graph import CPUGraph
-from tests.helpers import assert_close, make_backend, make_config, tolerance
+from tests.helpers import assert_close, make_backend, make_config, run_threads, tolerance
 from tests.helpers import last_record as _rec
 from tests.helpers import make_backend as _ro
 from tests.models import CacheWriter, Net
@@ -371,12 +371,7 @@ def _each_thread_gets_its_own(f: Any, inputs: list[torch.Tensor], wants: list[to
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(f"{label}thread {k}: {type(e).__name__}: {e}\n{traceback.format_exc()}")
 
-    threads = [threading.Thread(target=worker, args=(k,)) for k in range(len(inputs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=600)
-    assert not any(t.is_alive() for t in threads), "a thread hung"
+    run_threads(worker, len(inputs))
     assert not errors, errors[:4]
 
 

@@ -12,7 +12,7 @@ import torch
 
 import graphgear
 from graphgear.served import ServedModel
-from tests.helpers import assert_close
+from tests.helpers import assert_close, run_threads
 
 
 def _served(fn: Any, compiles: list[int] | None = None, **kw: Any) -> ServedModel:
@@ -171,23 +171,14 @@ def test_a_captured_argument_cell_binds() -> None:
 def test_threads_calling_one_direct_path_get_their_own_results() -> None:
     f = _served(lambda x, k: x * k)
     f(torch.ones(2), 1.0)
-    errors: list[BaseException] = []
 
     def worker(i: int) -> None:
-        try:
-            for _ in range(200):
-                x = torch.full((2,), float(i))
-                out = f(x, 1.0)
-                assert torch.equal(out, x), (i, out)
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
+        for _ in range(200):
+            x = torch.full((2,), float(i))
+            out = f(x, 1.0)
+            assert torch.equal(out, x), (i, out)
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors[0]
+    run_threads(worker, 4)
     assert f.direct_calls > 400
 
 
@@ -251,8 +242,7 @@ def test_threads_decode_one_served_transformers_model_each_with_its_cache() -> N
     ref.load_state_dict(model.state_dict())
     f = graphgear.inference.serve(model)
     start = threading.Barrier(3)
-    results: dict[int, list[torch.Tensor]] = {}
-    errors: list[BaseException] = []
+    results: dict[int, tuple[list[torch.Tensor], torch.Tensor]] = {}
 
     def decode(fn: Any, first: int, wait: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
         cache = StaticCache(config=cfg, max_cache_len=16)
@@ -266,19 +256,11 @@ def test_threads_decode_one_served_transformers_model_each_with_its_cache() -> N
         return outs, cache.layers[1].keys.clone()
 
     def worker(i: int) -> None:
-        try:
-            with torch.no_grad():  # grad mode is per thread
-                results[i] = decode(f, 5 + i, True)
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
+        with torch.no_grad():  # grad mode is per thread
+            results[i] = decode(f, 5 + i, True)
 
     decode(f, 3, False)  # compile first: the threads then run the compiled code at once
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors[0]
+    run_threads(worker, 3)
     for i in range(3):
         want, want_keys = decode(ref, 5 + i, False)
         got, keys = results[i]

@@ -48,6 +48,13 @@ from typing import Any, TypeVar
 
 import torch
 
+# torch._dynamo.eval_frame (its cache-entry listing, stance and frame-callback query) and,
+# further down, torch.nn.modules.module (the global hook dicts): read by graphgear.served
+# on every served call, so bound once here; graphgear's import already imports
+# torch._dynamo. Checked on 2.13 and 2.14.1; each wrapper below (dynamo_entries,
+# dynamo_frame_active, module_call_hooks) has its note.
+from torch._dynamo import eval_frame as _dynamo_eval_frame
+
 # Re-exports. ``import torch`` already imports all four modules (checked on 2.13), so
 # importing them here costs nothing.
 #
@@ -75,6 +82,9 @@ from torch._ops import OpOverload, OpOverloadPacket
 # tell fake example inputs from real ones.
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 
+# torch.nn.modules.module: for module_call_hooks (see the torch._dynamo note above)
+from torch.nn.modules import module as _nn_module
+
 # torch.utils._pytree: checked on 2.13; torch's own tree utilities (used throughout
 # dynamo/AOTAutograd, 2.11 to 2.14). If it moved, graphgear could not flatten a graph's
 # outputs for Inductor or the arguments of an op it inlines. ``pytree.tree_flatten`` /
@@ -82,6 +92,9 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake
 from torch.utils import _pytree as pytree
 
 log = logging.getLogger(__name__)
+
+_cache_entries_for_region = getattr(_dynamo_eval_frame, "_get_cache_entries_for_region", None)
+_eval_frame_callback = torch._C._dynamo.eval_frame.get_eval_frame_callback
 
 __all__ = [
     "adopt_vec_isa",
@@ -340,15 +353,6 @@ def mark_dynamic(t: torch.Tensor, dim: int) -> None:
     import torch._dynamo
 
     torch._dynamo.mark_dynamic(t, dim)
-
-
-# dynamo's frame cache, read by graphgear.served on every served call (so bound once here;
-# graphgear's import already imports torch._dynamo). Checked on 2.13; notes below.
-from torch._dynamo import eval_frame as _dynamo_eval_frame  # noqa: E402
-from torch.nn.modules import module as _nn_module  # noqa: E402
-
-_cache_entries_for_region = getattr(_dynamo_eval_frame, "_get_cache_entries_for_region", None)
-_eval_frame_callback = torch._C._dynamo.eval_frame.get_eval_frame_callback
 
 
 def dynamo_region(compiled: Any) -> int | None:

@@ -5,9 +5,9 @@ A ``torch.compile``d model's call passes through ``OptimizedModule`` and two
 ``nn.Module`` call layers, dynamo's compile wrapper (a dozen thread-state switches) and
 its frame evaluation (find the frame's cache, check each entry's guards, run the entry's
 code in a new frame) before the compiled code starts. On a small decoder that is a
-third of a served step: measured side by side (2026-12-02, transformers Qwen2 hidden
-128, 2 layers, batch 1, 1 thread), the same compiled code and guards took 284 µs a step
-through dynamo and 207 µs through :class:`ServedModel`.
+quarter of a served step: measured side by side in one process (2026-12-02, transformers
+Qwen2 hidden 128, 2 layers, batch 1, 1 thread), the same served model took 245 µs a
+step through dynamo and 189 µs through :class:`ServedModel` (0.77x).
 
 :class:`ServedModel` makes dynamo's decision with dynamo's own objects and less Python:
 it binds the call's arguments as the compiled frame's locals (as CPython would), checks
@@ -53,6 +53,7 @@ from ._torch import (
 log = logging.getLogger(__name__)
 
 __all__ = ["ServedModel"]
+
 
 class _Binder:
     """Binds a call's arguments to a function's parameters the way CPython fills a new
