@@ -89,6 +89,23 @@ def test_a_guard_that_fails_compiles_again_and_later_calls_run_direct() -> None:
         assert_close(w.grad, torch.ones(4), reduction=1)
 
 
+def test_calls_alternating_between_entries_each_run_their_own_code_direct() -> None:
+    """The last direct call's entry is checked first; a call that fails its guards
+    finds its own entry further down the list (a prefill / decode loop)."""
+    compiles: list[int] = []
+    f = _served(lambda x: x.sum(0) * 2, compiles)
+    shapes = [(1, 4), (5, 4), (3, 2)]
+    for s in shapes:  # one entry each
+        f(torch.ones(s))
+        f(torch.ones(s))
+    n, direct = len(compiles), f.direct_calls
+    for i in range(12):
+        x = torch.randn(shapes[i % 3] if i % 4 else shapes[0])
+        assert_close(f(x), x.sum(0) * 2, reduction=1)
+    assert len(compiles) == n  # no recompile
+    assert f.direct_calls == direct + 12
+
+
 class _Net(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

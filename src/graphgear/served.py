@@ -139,6 +139,10 @@ class ServedModel:
         self._code = fn.__code__ if fn is not None else None
         self._binder = _Binder(fn) if direct and fn is not None and self._region is not None else None
         self._direct: dict[types.CodeType, types.FunctionType | None] = {}
+        # the compiled code of the last direct call: its guards are checked first (a
+        # decode loop runs one entry; dynamo's own most-recently-used order only moves
+        # on the calls that go through dynamo)
+        self._last: types.CodeType | None = None
         self.direct_calls = 0
         self.dynamo_calls = 0
         if direct and self._binder is None:
@@ -173,9 +177,16 @@ class ServedModel:
         f_locals = binder.bind(self._prefix + args, kwargs)
         if f_locals is None:
             return None
+        last = self._last
+        if last is not None and entries[0][1] is not last:
+            for j, (_, code) in enumerate(entries):
+                if code is last:
+                    entries.insert(0, entries.pop(j))
+                    break
         try:
             for guard, code in entries:
                 if guard.check(f_locals):
+                    self._last = code
                     return self._function(code)
         except Exception:  # noqa: BLE001 - a guard that raises: dynamo's path decides (and reports)
             log.debug("graphgear.served: a guard check raised; the call goes through dynamo", exc_info=True)
