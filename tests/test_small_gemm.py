@@ -102,6 +102,26 @@ def test_served_products_of_2_to_16_rows_are_graphgears_and_replay_as_kernel_cal
         assert fns.count(small_gemm.kernel()) == 3, fns
 
 
+def test_one_row_products_too_wide_for_inductors_decomposition_are_graphgears(monkeypatch) -> None:
+    """At one row, a product whose weight is wider than Inductor's one-row
+    decomposition takes (it would stay ATen's ``sgemv``) goes to graphgear's product;
+    the narrow one stays Inductor's fused loop. Results equal eager's at every step."""
+    _built()
+    from graphgear._torch import inductor_one_row_decompose_limit
+
+    wide = inductor_one_row_decompose_limit() + 5  # not a whole panel of 32 either
+    seen = _products(monkeypatch)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(24, 40), nn.ReLU(), nn.Linear(40, wide), nn.ReLU(),
+                        nn.Linear(wide, 8, bias=False)).eval()
+    f = graphgear.inference.serve(net, make_config("reduce-overhead", warmup_iters=0))
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(1, 24)
+            assert_close(f(x), net(x), reduction=wide)
+    assert seen == [(2, 0)], seen
+
+
 def test_where_the_kernel_cannot_be_built_mkl_serves_and_the_reason_is_logged(monkeypatch, caplog) -> None:
     """No C++ compiler (the build raises): a warning says why and what serves instead,
     the frozen products go to MKL, and results equal eager's."""

@@ -688,6 +688,22 @@ def inductor_config_patch(**changes: Any) -> Any:
     return inductor_config.patch(**changes)
 
 
+def inductor_one_row_decompose_limit() -> int:
+    """The widest weight (either dimension) whose one-row product Inductor's
+    ``decompose_mm_pass`` turns into a fused reduction on the CPU; a wider one stays an
+    ATen product (MKL's ``sgemv``).
+
+    ``torch._inductor.fx_passes.decompose_mem_bound_mm.cpu_max_other_dimension_decomposition``
+    (2048 in 2.11 to 2.14; read once when that module is imported, so a later
+    ``post_grad_fusion_options`` patch does not change it). Only a routing heuristic
+    depends on it: if it moved, 2048 is assumed."""
+    try:
+        from torch._inductor.fx_passes import decompose_mem_bound_mm as d
+    except ImportError:
+        return 2048
+    return int(getattr(d, "cpu_max_other_dimension_decomposition", 2048))
+
+
 def count_tangents(gm: torch.fx.GraphModule) -> int:
     """How many of a backward graph's inputs come before its tangents (the saved
     activations, which Inductor treats as static).

@@ -203,9 +203,10 @@ def compile_static(
     kernel cannot be built) to MKL's packed GEMM (:mod:`.mkl_pack`; products of the same
     rows grouped into one first); one-row products are Inductor's decomposed
     reductions (``decompose_mm_pass``), except those with a weight too wide for it, which
-    stay ATen products (the large bench_decode model's MLP and vocabulary products at one
-    row, served step, same run: C++ GEMM template 13314 µs, ATen 12361); products of more
-    rows Inductor's C++ GEMM template. A graph with at least
+    go to graphgear's product too (the large bench_decode model's MLP and vocabulary
+    products at one row, served step, same run: ATen 10153 µs, graphgear's 6548;
+    :func:`~.mkl_pack.pack_frozen_small`); products of more rows Inductor's C++ GEMM
+    template. A graph with at least
     :data:`CPP_WRAPPER_MIN_EXTERN_CALLS` MKL products and no call of graphgear's kernels
     (:mod:`graphgear.kernels`) is compiled
     with Inductor's C++ wrapper (the CPU graph then copies its outputs to static buffers).
@@ -239,8 +240,8 @@ def compile_static(
         # MKL's products only
         cpp_wrapper = pack_frozen_linears(dgm) >= CPP_WRAPPER_MIN_EXTERN_CALLS and not kernels.calls_in(dgm)
         # products left: Inductor's C++ GEMM template for those of more rows than MKL's
-        # packing takes; one-row ones stay Inductor's fused loops, or ATen's product where
-        # a weight is too wide for its decomposition (the template is slower at one row)
+        # packing takes; one-row ones stay Inductor's fused loops (those too wide for
+        # them are graphgear's products already)
         if _rows_left(dgm) > 1:
             patches.update(max_autotune=True, max_autotune_gemm_backends="CPP")
     patches["cpp_wrapper"] = cpp_wrapper

@@ -24,7 +24,10 @@ In the served step of that model (same run, graphgear's / MKL's products), 1 thr
 batch 2 0.87 and 0.67, batch 4 0.65 and 0.57, batch 8 0.70 and 0.73; 2 threads (the
 panels split over the threads): batch 2 0.76, batch 8 0.81; the large model (hidden 1024,
 128 MB of weights) batch 8 0.84. At one row it was no faster than Inductor's fused
-loops (0.98, 1.01), so one-row products stay theirs.
+loops (0.98, 1.01), so one-row products stay theirs, except those whose weight is too
+wide for Inductor's one-row decomposition, which would be ATen's ``sgemv``: from DRAM
+this kernel streams them at 17-20 GB/s against 12 (2026-12-02, 1 thread;
+:func:`graphgear.compilers.mkl_pack.pack_frozen_small`).
 
 Summation order differs from MKL's and ATen's (per output, over ``K`` in order, in
 fp32): results agree to fp32 rounding, not bit for bit. Where the kernel cannot be
@@ -47,7 +50,8 @@ __all__ = ["MAX_ROWS", "MIN_ROWS", "PANEL", "kernel", "pack_bias", "pack_weight"
            "packed_linear_out", "register_lowering"]
 
 #: rows served by this kernel: decode batches above 1 (one row stays Inductor's fused
-#: loops, which fuse with their neighbours); past 16 rows MKL's packed GEMM catches up
+#: loops, which fuse with their neighbours, but for weights too wide for them); past 16
+#: rows MKL's packed GEMM catches up
 MIN_ROWS = 2
 MAX_ROWS = 16
 #: panel width in floats: the packed weight's layout, fixed for every vector ISA
