@@ -86,13 +86,17 @@ def hf_llama(**overrides: object) -> nn.Module:
     return LlamaForCausalLM(LlamaConfig(**cfg)).eval()
 
 
-def hf_qwen2_pair() -> tuple[object, nn.Module, nn.Module]:
+def hf_qwen2_pair(**overrides: object) -> tuple[object, nn.Module, nn.Module]:
     """A small transformers Qwen2 (grouped-query attention, biased q/k/v) and a second
-    instance with the same weights, for eager references: ``(config, model, ref)``."""
+    instance with the same weights, for eager references: ``(config, model, ref)``;
+    ``overrides``: config fields."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    cfg = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+    fields: dict[str, object] = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                     max_position_embeddings=64)
+    fields.update(overrides)
+    cfg = Qwen2Config(**fields)
     torch.manual_seed(0)
     model, ref = Qwen2ForCausalLM(cfg).eval(), Qwen2ForCausalLM(cfg).eval()
     ref.load_state_dict(model.state_dict())
