@@ -178,8 +178,8 @@ def pack_frozen_small(gm: fx.GraphModule) -> int:
     128 140 against 149 µs). The wide ones are the large decoder's MLP and vocabulary
     products, read from DRAM: there the packed product streams the weight at 17-20 GB/s
     against ``sgemv``'s 12 GB/s (2026-12-02, 1 thread, a machine reading 24 GB/s), and the
-    served step of bench_decode's hidden-1024 model went from 9855 to 6687 µs with every
-    one-row product packed."""
+    served step of bench_decode's hidden-1024 model went from 10153 to 6548 µs (same run;
+    every one-row product packed: 6501 µs)."""
     g = gm.graph
     limit = inductor_one_row_decompose_limit()
     found_any = [(n, f) for n in g.nodes
