@@ -1027,16 +1027,17 @@ def _private_dir(path: str) -> None:
 
 
 def test_item16_suite_uses_a_private_per_user_inductor_cache() -> None:
-    """conftest picked the cache: per-user (under the home cache), mode 0700, not a fixed
-    shared name under the temporary directory."""
+    """conftest picked the cache: per-user (under the user's cache root: ``~/.cache``, or
+    ``$XDG_CACHE_HOME`` where the user set one), mode 0700, not a fixed shared name under
+    the temporary directory."""
+    from graphgear.cachedir import default_cache_root, inductor_cache_dir
+
     chosen = os.environ["TORCHINDUCTOR_CACHE_DIR"]
     assert chosen != os.path.join(tempfile.gettempdir(), "graphgear-inductor-cache")
-    home = os.path.expanduser("~")
-    if not home.startswith(tempfile.gettempdir()):
+    if not default_cache_root().startswith(tempfile.gettempdir() + os.sep):
         assert not chosen.startswith(tempfile.gettempdir() + os.sep), chosen
     _private_dir(chosen)
     _private_dir(os.path.dirname(chosen))
-    from graphgear.cachedir import default_cache_root, inductor_cache_dir
 
     assert chosen == inductor_cache_dir()
     assert chosen == os.path.join(default_cache_root(), "graphgear", "inductor")
