@@ -164,7 +164,8 @@ def test_served_transformers_decoder_equals_eager_with_graphgears_products(monke
     from graphgear._torch import inductor_one_row_decompose_limit
 
     seen = _products(monkeypatch)
-    cfg, model, ref = hf_qwen2_pair(**({} if batch > 1 else {"vocab_size": inductor_one_row_decompose_limit() + 40}))
+    wide_vocab = {} if batch > 1 else {"vocab_size": inductor_one_row_decompose_limit() + 40}
+    cfg, model, ref = hf_qwen2_pair(**wide_vocab)
     f = graphgear.inference.serve(model)
     cache, ref_cache = StaticCache(config=cfg, max_cache_len=16), StaticCache(config=cfg, max_cache_len=16)
     tok = ref_tok = torch.randint(3, 100, (batch, 1), generator=torch.Generator().manual_seed(0))

@@ -13,8 +13,9 @@ step through dynamo and 189 µs through :class:`ServedModel` (0.77x).
 it binds the call's arguments as the compiled frame's locals (as CPython would), checks
 the guard managers of dynamo's cache entries for that frame (the same guards dynamo
 checks; the entry of the last direct call first, then dynamo's most recently used
-order) and calls the first passing entry's compiled code as a plain function. Every call it cannot decide goes through dynamo unchanged, so the
-answer is never different from ``torch.compile``'s:
+order) and calls the first passing entry's compiled code as a plain function. Every
+call it cannot decide goes through dynamo unchanged, so the answer is never different
+from ``torch.compile``'s:
 
 - no entry's guards pass (dynamo compiles a new entry; later calls find it);
 - the module has hooks, or global module hooks are set (``nn.Module.__call__`` would

@@ -152,13 +152,15 @@ def pack_frozen_linears(gm: fx.GraphModule, *, min_rows: int = MIN_ROWS, max_row
     return count
 
 
-def _wide_one_row_product(gm: fx.GraphModule, node: fx.Node,
-                          limit: int) -> tuple[fx.Node, fx.Node, fx.Node | None] | None:
-    """:func:`_frozen_product` of one row whose weight is wider (either dimension) than
-    ``limit``, the widest Inductor's one-row decomposition takes; else None."""
-    found = _frozen_product(gm, node, 1, 1)
-    if found is None:
-        return None
+def _small_product(gm: fx.GraphModule, node: fx.Node,
+                   limit: int) -> tuple[fx.Node, fx.Node, fx.Node | None] | None:
+    """:func:`_frozen_product` of :data:`small_gemm.MIN_ROWS` to
+    :data:`small_gemm.MAX_ROWS` rows, or of one row with a weight wider (either
+    dimension) than ``limit``, the widest Inductor's one-row decomposition takes; else
+    None."""
+    found = _frozen_product(gm, node, 1, small_gemm.MAX_ROWS)
+    if found is None or found[0].meta["val"].shape[0] >= small_gemm.MIN_ROWS:
+        return found
     w = _constant(gm, found[1])
     return found if w is not None and max(w.shape) > limit else None
 
@@ -182,9 +184,7 @@ def pack_frozen_small(gm: fx.GraphModule) -> int:
     every one-row product packed: 6501 µs)."""
     g = gm.graph
     limit = inductor_one_row_decompose_limit()
-    found_any = [(n, f) for n in g.nodes
-                 if (f := _frozen_product(gm, n, small_gemm.MIN_ROWS, small_gemm.MAX_ROWS)
-                     or _wide_one_row_product(gm, n, limit)) is not None]
+    found_any = [(n, f) for n in g.nodes if (f := _small_product(gm, n, limit)) is not None]
     if not found_any or small_gemm.kernel() is None:
         return 0
     packed: dict[str, str] = {}
