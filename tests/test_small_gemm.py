@@ -122,6 +122,25 @@ def test_one_row_products_too_wide_for_inductors_decomposition_are_graphgears(mo
     assert seen == [(2, 0)], seen
 
 
+def test_without_the_kernel_wide_one_row_products_stay_atens(monkeypatch) -> None:
+    """Where graphgear's product cannot be built, the wide one-row products stay ATen's
+    (nothing rewritten), a batch of 0 rows runs too, and results equal eager's."""
+    from graphgear._torch import inductor_one_row_decompose_limit
+
+    monkeypatch.setattr(small_gemm, "kernel", lambda: None)
+    wide = inductor_one_row_decompose_limit() + 5
+    seen = _products(monkeypatch)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(24, wide), nn.ReLU(), nn.Linear(wide, 8)).eval()
+    f = graphgear.inference.serve(net, make_config("reduce-overhead", warmup_iters=0))
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(1, 24)
+            assert_close(f(x), net(x), reduction=wide)
+        assert f(torch.randn(0, 24)).shape == (0, 8)
+    assert seen and all(s == (0, 0) for s in seen), seen
+
+
 def test_where_the_kernel_cannot_be_built_mkl_serves_and_the_reason_is_logged(monkeypatch, caplog) -> None:
     """No C++ compiler (the build raises): a warning says why and what serves instead,
     the frozen products go to MKL, and results equal eager's."""
