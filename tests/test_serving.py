@@ -99,3 +99,43 @@ def test_serve_transformers_static_cache_keeps_the_cache_guard(batch: int) -> No
     cache.reset()  # the cache's tensors are the user's, never a graph's output
     ref_cache.reset()
     decode(4)
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_serve_transformers_in_bfloat16_is_as_accurate_as_eager_bfloat16() -> None:
+    """A served bf16 model (graphgear's C++ products are fp32-only, so its products stay
+    Inductor's) is checked against the same model in float32: its logits and KV cache
+    must be no further from float32 than eager bf16's are, step after step. The tokens
+    fed are float32's choices, so a near-tie in argmax cannot make the runs diverge."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM, StaticCache
+
+    cfg = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+    torch.manual_seed(0)
+    ref = Qwen2ForCausalLM(cfg).eval()
+    eager, model = Qwen2ForCausalLM(cfg).eval(), Qwen2ForCausalLM(cfg).eval()
+    for m in (eager, model):
+        m.load_state_dict(ref.state_dict())
+        m.to(torch.bfloat16)
+    f = serve(model)
+    caches = [StaticCache(config=cfg, max_cache_len=16) for _ in range(3)]
+    tok = torch.tensor([[5], [9]])
+    for p in range(5):
+        pos = torch.full((2, 1), p)
+        outs = [m(input_ids=tok, cache=c, position_ids=pos, use_cache=True).logits
+                for m, c in zip((ref, eager, f), caches)]
+        want, got_eager, got = outs[0], outs[1].float(), outs[2].float()
+        assert got.dtype == torch.float32 and outs[2].dtype == torch.bfloat16
+        err_eager, err = (got_eager - want).abs().max().item(), (got - want).abs().max().item()
+        # bf16 has 8 bits of mantissa: the two bf16 runs round differently, so allow each
+        # step twice eager's error plus one bf16 unit of the largest logit
+        unit = torch.finfo(torch.bfloat16).eps * want.abs().max().item()
+        assert err <= 2 * err_eager + unit, f"step {p}: served {err:.3g} from float32, eager bf16 {err_eager:.3g}"
+        keys = [c.layers[0].keys.float() for c in caches]
+        kv_eager, kv = (keys[1] - keys[0]).abs().max().item(), (keys[2] - keys[0]).abs().max().item()
+        kv_unit = torch.finfo(torch.bfloat16).eps * keys[0].abs().max().item()
+        assert kv <= 2 * kv_eager + kv_unit, f"step {p}: served KV {kv:.3g} from float32, eager bf16 {kv_eager:.3g}"
+        tok = want[:, -1:].argmax(-1)
+    recs = graphgear.stats().graphs
+    assert recs and all(r.fallbacks == [] for r in recs), [r.fallbacks for r in recs]
