@@ -2,6 +2,7 @@
 
     python benchmarks/bench_decode.py [--sizes small,large] [--batch-sizes 1 2 4 8]
                                       [--steps 50] [--rounds 5] [--threads 1] [--json FILE]
+                                      [--dtype float32|bfloat16]
 
 One table per model size. Rows are contenders: eager, ``torch.compile`` default
 (Inductor), graphgear ``max-autotune``, graphgear ``reduce-overhead``, and
@@ -14,7 +15,9 @@ read bandwidth, measured in the same run (``torch.sum`` over a 100 MB tensor). A
 row gives the roofline floor of a step at each batch: the weights read once at that
 bandwidth, or the matrix products' FLOPs at the machine's GEMM rate (a 512-cube ``mm``,
 measured in the same run), whichever is longer; each graphgear line says how close to
-it a contender gets (floor / time).
+it a contender gets (floor / time). ``--dtype bfloat16`` runs every contender on a bf16
+copy of the model (the bandwidth counts bf16 bytes; the GEMM rate is then a bf16 ``mm``,
+oneDNN's, on AMX where the CPU has it) and compares the logits with float32 eager's.
 
 Models (transformers Qwen2, random weights, built from a config; nothing is downloaded):
 ``small`` hidden 256, 4 layers, vocab 2048 (the issue's model); ``large`` hidden 1024, 2
@@ -61,13 +64,16 @@ CONTENDERS = ("eager", "torch.compile", "gg max-autotune", "gg reduce-overhead",
 MAX_LEN = 64
 
 
-def build(size: str) -> torch.nn.Module:
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def build(size: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     cfg = Qwen2Config(max_position_embeddings=512, bos_token_id=1, eos_token_id=None, pad_token_id=0,
                       tie_word_embeddings=False, **SIZES[size])
     torch.manual_seed(0)
-    return Qwen2ForCausalLM(cfg).eval()
+    return Qwen2ForCausalLM(cfg).eval().to(dtype)
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -87,10 +93,10 @@ def read_bandwidth() -> float:
     return x.numel() * 4 / best / 1e9
 
 
-def gemm_peak() -> float:
+def gemm_peak(dtype: torch.dtype = torch.float32) -> float:
     """The machine's matrix-product rate in GFLOP/s at the current thread count: a
-    512 x 512 x 512 fp32 ``mm`` (MKL), best of 5."""
-    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    512 x 512 x 512 ``mm`` in ``dtype`` (MKL for fp32, oneDNN for bf16), best of 5."""
+    a, b = torch.randn(512, 512, dtype=dtype), torch.randn(512, 512, dtype=dtype)
     best = float("inf")
     for _ in range(6):
         t0 = time.perf_counter()
@@ -100,12 +106,12 @@ def gemm_peak() -> float:
     return 2 * 512**3 / best / 1e9
 
 
-def floor_us(weight_bytes: int, batch: int, bw: float, peak: float) -> tuple[float, str]:
+def floor_us(weight_bytes: int, batch: int, bw: float, peak: float, itemsize: int = 4) -> tuple[float, str]:
     """The roofline of one decode step: reading every weight once at the measured read
     bandwidth, or the matrix products' FLOPs (2 per weight per row) at the measured GEMM
     rate, whichever takes longer; microseconds and which bound it is."""
     read = weight_bytes / (bw * 1e9)
-    compute = 2 * batch * (weight_bytes / 4) / (peak * 1e9)
+    compute = 2 * batch * (weight_bytes / itemsize) / (peak * 1e9)
     return max(read, compute) * 1e6, "bandwidth" if read >= compute else "compute"
 
 
@@ -154,10 +160,13 @@ class Decoder:
         return (time.perf_counter() - t0) / steps
 
 
-def bench_size(size: str, batches: list[int], steps: int, rounds: int, contenders: list[str]) -> dict[str, Any]:
-    base = build(size)
+def bench_size(size: str, batches: list[int], steps: int, rounds: int, contenders: list[str],
+               dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    base = build(size, dtype)
+    base32 = build(size) if dtype != torch.float32 else None
     res: dict[str, dict[int, float]] = {c: {} for c in contenders}
     diffs: dict[str, float] = {}
+    diffs32: dict[str, float] = {}
     for batch in batches:
         graphgear.reset()
         torch._dynamo.reset()
@@ -171,12 +180,15 @@ def bench_size(size: str, batches: list[int], steps: int, rounds: int, contender
                       file=sys.stderr, flush=True)
             # numerics: one fresh step each from the same cache state
             ref = None
+            ref32 = Decoder("eager", base32, batch).step() if base32 is not None else None
             for c, d in decs.items():
                 d.cache.reset()
                 d.pos = 0
                 out = d.step().clone()
                 ref = out if ref is None else ref
-                diffs[c] = max(diffs.get(c, 0.0), float((out - ref).abs().max()))
+                diffs[c] = max(diffs.get(c, 0.0), float((out.float() - ref.float()).abs().max()))
+                if ref32 is not None:
+                    diffs32[c] = max(diffs32.get(c, 0.0), float((out.float() - ref32).abs().max()))
             samples: dict[str, list[float]] = {c: [] for c in contenders}
             for r in range(rounds):
                 order = contenders[r % len(contenders):] + contenders[: r % len(contenders)]
@@ -184,14 +196,16 @@ def bench_size(size: str, batches: list[int], steps: int, rounds: int, contender
                     samples[c].append(decs[c].run(steps))
         for c in contenders:
             res[c][batch] = statistics.median(samples[c])
-    return {"size": size, "weight_bytes": weight_bytes(base), "us": res, "max_abs_diff": diffs}
+    return {"size": size, "dtype": str(dtype).removeprefix("torch."), "itemsize": base.dtype.itemsize,
+            "weight_bytes": weight_bytes(base), "us": res, "max_abs_diff": diffs, "max_abs_diff_float32": diffs32}
 
 
-def scaling(size: str, contender: str, batches: list[int], steps: int, rounds: int) -> dict[int, float]:
+def scaling(size: str, contender: str, batches: list[int], steps: int, rounds: int,
+            dtype: torch.dtype = torch.float32) -> dict[int, float]:
     """One contender's step at every batch size with the batches *interleaved* round by
     round (the table measures one batch size after another, so a slow spell of the
     machine lands on some batches only); seconds per step, median over rounds."""
-    base = build(size)
+    base = build(size, dtype)
     graphgear.reset()
     torch._dynamo.reset()
     samples: dict[int, list[float]] = {b: [] for b in batches}
@@ -215,8 +229,8 @@ def scaling(size: str, contender: str, batches: list[int], steps: int, rounds: i
 
 def print_table(r: dict[str, Any], batches: list[int], bw: float, peak: float) -> None:
     eager = r["us"]["eager"]
-    print(f"\n{r['size']}: weights {r['weight_bytes'] / 1e6:.1f} MB; machine read bandwidth {bw:.1f} GB/s, "
-          f"GEMM {peak:.1f} GFLOP/s")
+    print(f"\n{r['size']} ({r['dtype']}): weights {r['weight_bytes'] / 1e6:.1f} MB; machine read bandwidth "
+          f"{bw:.1f} GB/s, {r['dtype']} GEMM {peak:.1f} GFLOP/s")
     head = f"{'contender':28s}" + "".join(f"{'batch ' + str(b):>20s}" for b in batches) + f"{'GB/s (batch 1)':>22s}"
     print(head)
     for c, per in r["us"].items():
@@ -224,7 +238,7 @@ def print_table(r: dict[str, Any], batches: list[int], bw: float, peak: float) -
         b1 = batches[0]
         gbs = r["weight_bytes"] / per[b1] / 1e9
         print(f"{c:28s}{cells}{gbs:10.1f} ({100 * gbs / bw:3.0f} %)")
-    floors = {b: floor_us(r["weight_bytes"], b, bw, peak) for b in batches}
+    floors = {b: floor_us(r["weight_bytes"], b, bw, peak, r["itemsize"]) for b in batches}
     print(f"{'roofline floor':28s}" + "".join(f"{us:10.0f} us {bound[:4]:>6s}" for us, bound in floors.values()))
     r["floor_us"] = {b: us for b, (us, _) in floors.items()}
     if "torch.compile" in r["us"]:
@@ -238,6 +252,9 @@ def print_table(r: dict[str, Any], batches: list[int], bw: float, peak: float) -
                     + ", ".join(f"{100 * floors[b][0] / (r['us'][c][b] * 1e6):.0f} %" for b in batches))
     print("  max abs diff of the logits vs eager: "
           + ", ".join(f"{c} {d:.1e}" for c, d in r["max_abs_diff"].items()))
+    if r["max_abs_diff_float32"]:
+        print(f"  max abs diff of the logits vs float32 eager (the {r['dtype']} rounding itself): "
+              + ", ".join(f"{c} {d:.1e}" for c, d in r["max_abs_diff_float32"].items()))
 
 
 def overhead(size: str, steps: int, rounds: int) -> dict[str, float]:
@@ -376,7 +393,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="contender whose batches are then timed interleaved ('' for none)")
     ap.add_argument("--overhead", default="tiny", help="model size for the overhead split ('' for none)")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
+                    help="the models' parameter dtype (the overhead split stays float32)")
     a = ap.parse_args(argv)
+    dtype = DTYPES[a.dtype]
     torch.set_num_threads(a.threads)
     contenders = [c for c in a.contenders.split(",") if c]
     unknown = [c for c in contenders if c not in CONTENDERS]
@@ -388,17 +408,17 @@ def main(argv: list[str] | None = None) -> int:
         contenders.insert(0, "eager")
     contenders.sort(key=lambda c: c != "eager")
     bw = read_bandwidth()
-    peak = gemm_peak()
+    peak = gemm_peak(dtype)
     sizes = [s for s in a.sizes.split(",") if s]
     unknown = [s for s in sizes if s not in SIZES]
     if unknown:
         ap.error(f"--sizes: unknown {unknown}; choose from {','.join(SIZES)}")
     results = []
     for size in sizes:
-        r = bench_size(size, a.batch_sizes, a.steps, a.rounds, contenders)
+        r = bench_size(size, a.batch_sizes, a.steps, a.rounds, contenders, dtype)
         print_table(r, a.batch_sizes, bw, peak)
         results.append(r)
-    scaled = {size: scaling(size, a.scaling, a.batch_sizes, a.steps, a.rounds)
+    scaled = {size: scaling(size, a.scaling, a.batch_sizes, a.steps, a.rounds, dtype)
               for size in sizes} if a.scaling and len(a.batch_sizes) > 1 else None
     split = overhead(a.overhead, a.steps, a.rounds) if a.overhead else None
     if a.json:
