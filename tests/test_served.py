@@ -106,6 +106,37 @@ def test_calls_alternating_between_entries_each_run_their_own_code_direct() -> N
     assert f.direct_calls == direct + 12
 
 
+def test_served_code_records_no_profiler_ranges_and_leaves_dynamos_config_as_it_was() -> None:
+    """dynamo's generated code calls two profiler-range functions on every call
+    (``record_runtime_overhead``); a served model's code does not, and the option is
+    set only around the served model's own compile."""
+    from torch._dynamo import config as dynamo_config
+
+    from graphgear._torch import dynamo_entries, dynamo_region
+
+    def names(compiled: Any, fn: Any) -> set[str]:
+        (_, code), = dynamo_entries(fn.__code__, dynamo_region(compiled))
+        return set(code.co_names)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return x * 2 + 1
+
+    def g(x: torch.Tensor) -> torch.Tensor:
+        return x * 2 + 1
+
+    before = (dynamo_config.record_runtime_overhead, dynamo_config.install_free_tensors)
+    plain = torch.compile(g, backend="eager", isolate_recompiles=True)
+    plain(torch.ones(3))
+    assert "record_pregraph_bytecode_enter" in names(plain, g)  # this torch's default: the test can fail
+    s = _served(f)
+    x = torch.arange(3.0)
+    assert_close(s(x), x * 2 + 1)
+    assert_close(s(x + 1), x * 2 + 3)
+    assert s.direct_calls == 1 and s.dynamo_calls == 1
+    assert not {"record_pregraph_bytecode_enter", "record_pregraph_bytecode_exit"} & names(s._compiled, f)
+    assert (dynamo_config.record_runtime_overhead, dynamo_config.install_free_tensors) == before
+
+
 class _Net(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

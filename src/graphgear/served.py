@@ -46,8 +46,8 @@ from ._torch import (
     dynamo_code_function,
     dynamo_entries,
     dynamo_frame_active,
-    dynamo_parameters_as_constants,
     dynamo_region,
+    dynamo_served_codegen,
     module_call_hooks,
 )
 
@@ -124,10 +124,11 @@ class ServedModel:
     """``compiled`` (``torch.compile(target, ...)``) called without dynamo's frame
     evaluation where dynamo would run compiled code: see the module docstring.
 
-    ``frozen``: the target's parameters are final (``frozen_parameter``): dynamo
-    compiles them into the graph instead of passing each as an input fetched on every
-    call (``install_free_tensors``, set around the calls that go through dynamo, where
-    it compiles)."""
+    Around the calls that go through dynamo (where it compiles), dynamo generates code
+    without its profiler ranges (``record_runtime_overhead``) and, with ``frozen`` (the
+    target's parameters are final: ``frozen_parameter``), compiles the parameters into
+    the graph instead of passing each as an input fetched on every call
+    (``install_free_tensors``): :func:`graphgear._torch.dynamo_served_codegen`."""
 
     def __init__(self, compiled: Callable[..., Any], target: Any, *, direct: bool = True,
                  frozen: bool = False) -> None:
@@ -155,10 +156,8 @@ class ServedModel:
         run = self._lookup(args, kwargs)
         if run is None:
             self.dynamo_calls += 1
-            if self._frozen:  # parameters are final: compiled into the graph, not fetched per call
-                with dynamo_parameters_as_constants():
-                    return self._compiled(*args, **kwargs)
-            return self._compiled(*args, **kwargs)
+            with dynamo_served_codegen(frozen=self._frozen):
+                return self._compiled(*args, **kwargs)
         self.direct_calls += 1
         return run(*self._prefix, *args, **kwargs)
 
