@@ -279,6 +279,50 @@ def test_input_gears_vary_the_batch_without_recompiles(mode: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.inductor
+@pytest.mark.parametrize("mode", ["serve", "reduce-overhead"])
+@torch.no_grad()
+def test_a_cache_reordered_between_steps_as_beam_search_does_equals_eager(mode: str) -> None:
+    """Beam search reorders the cache between steps (``reorder_cache``: every layer's
+    keys and values become new tensors, rows repeated or dropped); transformers 5 runs
+    beam search uncompiled, so a server that compiles its own step meets this. The CPU
+    graph rebinds the new tensors at every step: logits and caches equal eager's, no
+    recompile, no recapture."""
+    from transformers import StaticCache
+
+    model, ref = _pair(hidden=128, layers=2)
+    if mode == "serve":
+        fn = graphgear.inference.serve(model)
+    else:
+        cfg = graphgear.CompilerConfig()
+        cfg.mode = mode
+        fn = torch.compile(model, backend=graphgear.get_backend(cfg))
+    caches = [StaticCache(config=m.config, max_cache_len=32) for m in (model, ref)]
+    g = torch.Generator().manual_seed(0)
+    tok = torch.randint(2, 2048, (3, 1), generator=g)
+    steps = 10
+    for step in range(steps):
+        pos = torch.full((3, 1), step)
+        got = fn(input_ids=tok, cache=caches[0], position_ids=pos, use_cache=True).logits
+        want = ref(input_ids=tok, cache=caches[1], position_ids=pos, use_cache=True).logits
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        for a, b in zip(caches[0].layers, caches[1].layers):
+            torch.testing.assert_close(a.keys, b.keys, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(a.values, b.values, rtol=1e-5, atol=1e-5)
+        beam_idx = torch.tensor([step % 3, 0, 0]) if step % 2 else torch.randint(0, 3, (3,), generator=g)
+        old = caches[0].layers[0].keys
+        for c in caches:
+            c.reorder_cache(beam_idx)
+        assert caches[0].layers[0].keys is not old  # the graph's cache input moved
+        tok = want[:, -1:].argmax(-1)
+    graphs = _graphs()
+    assert _frames() == 2  # the first step (cache not yet initialised) and the decode step
+    assert sum(r.captures for r in graphs) == 1 and sum(r.recaptures for r in graphs) == 0
+    assert sum(r.rebinds for r in graphs) == sum(r.replays for r in graphs) >= steps - 3
+    assert all(not r.fallbacks for r in graphs), str(graphgear.stats())
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @torch.no_grad()
 def test_cuda_generate_recaptures_without_recompiling() -> None:
