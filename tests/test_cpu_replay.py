@@ -56,7 +56,7 @@ def _count_new_aliases(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 def test_straight_line_code_replays_as_kernel_calls_with_the_cache_written_in_place() -> None:
     """The generated code of this graph is straight-line: its replays are a list of
     kernel calls. Outputs and the cache (written in place) equal eager at every step,
-    also after the cache moves (the calls are rebuilt on the new cache)."""
+    also after the cache moves (the calls are re-pointed at the new cache)."""
     torch.manual_seed(0)
     net, ref = CacheWriter(), CacheWriter()
     ref.load_state_dict(net.state_dict())
@@ -68,7 +68,7 @@ def test_straight_line_code_replays_as_kernel_calls_with_the_cache_written_in_pl
         assert_close(cache, ref_cache, reduction=8)
     (g,) = _graphs()
     assert g.program is not None and g.program.calls, "the straight-line code should replay as kernel calls"
-    cache, ref_cache = torch.ones(4, 8), torch.ones(4, 8)  # moved: rebound, calls rebuilt
+    cache, ref_cache = torch.ones(4, 8), torch.ones(4, 8)  # moved: rebound, calls re-pointed
     for p in range(4):
         x = torch.randn(1, 8)
         assert_close(f(x, torch.tensor([p]), cache), ref(x, torch.tensor([p]), ref_cache), reduction=8)
@@ -76,6 +76,32 @@ def test_straight_line_code_replays_as_kernel_calls_with_the_cache_written_in_pl
     assert g.program is not None
     assert sum(r.rebinds for r in graphgear.stats().graphs) == 1
     assert sum(r.captures for r in graphgear.stats().graphs) == 1
+
+
+@torch.no_grad()
+def test_a_moved_cache_re_points_the_kernel_calls_without_reading_the_code_again() -> None:
+    """A moved cache, here a slice of a larger buffer (another storage offset) and then
+    a tensor of its own again: the same program object, its calls re-pointed at the new
+    memory (the views the code takes of it included); the buffer around the slice is
+    never written; results equal eager's at every step."""
+    torch.manual_seed(0)
+    net, ref = CacheWriter(), CacheWriter()
+    ref.load_state_dict(net.state_dict())
+    f = torch.compile(net, backend=_ro(warmup_iters=0))
+    f(torch.randn(1, 8), torch.tensor([0]), torch.zeros(4, 8))
+    (g,) = _graphs()
+    prog = g.program
+    assert prog is not None and prog.slots, "the cache's uses should be recorded"
+    big = torch.full((6, 8), 7.0)
+    for cache, ref_cache in ((big[1:5], torch.zeros(4, 8)), (torch.zeros(4, 8), torch.zeros(4, 8))):
+        cache.zero_()
+        for p in range(4):
+            x = torch.randn(1, 8)
+            assert_close(f(x, torch.tensor([p]), cache), ref(x, torch.tensor([p]), ref_cache), reduction=8)
+            assert_close(cache, ref_cache, reduction=8)
+        assert g.program is prog
+    assert (big[0] == 7).all() and (big[5] == 7).all()
+    assert sum(r.rebinds for r in graphgear.stats().graphs) == 2
 
 
 @torch.no_grad()

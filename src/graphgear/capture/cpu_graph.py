@@ -268,7 +268,8 @@ class CPUGraph:
                 f"Until then pass the input with the layout it was captured with (for example "
                 f".contiguous()).")
         self.args[i] = t
-        if self.program is not None:
+        prog = self.program
+        if prog is not None and not prog.rebind(i, t):
             self.program = self._build_program()
 
     # ---- replay --------------------------------------------------------------------
@@ -333,24 +334,44 @@ class _Program:
     tensors, with no allocation, view or Python frame of the generated code per replay.
 
     ``views``: the views it made of record buffers, with their block index (the pool
-    moves them with the block when it grows, as it moves the record)."""
+    moves them with the block when it grows, as it moves the record).
 
-    __slots__ = ("calls", "outs", "views")
+    ``slots``: per bound argument, where the calls take it or a view of it (call,
+    position or keyword, and the view's size, strides and storage offset relative to
+    the argument), so that :meth:`rebind` re-points those calls at a moved argument
+    without reading the code again (a beam search moves the KV cache at every step:
+    reading the code again cost the tiny served Qwen2 about 240 µs per moved tensor);
+    ``raw``: the generated code's own call, before ``graphgear_direct`` rewrote it, of
+    the calls that take an argument; ``rigid``: the arguments an output is or views
+    (those need the whole program again)."""
+
+    __slots__ = ("calls", "outs", "raw", "rigid", "slots", "views")
 
     def __init__(self, calls: list[tuple[Any, tuple[Any, ...], dict[str, Any] | None]],
-                 outs: list[Any], views: list[tuple[int, torch.Tensor]]) -> None:
+                 outs: list[Any], views: list[tuple[int, torch.Tensor]],
+                 slots: dict[int, list[tuple[int, int | str, Any, Any, int, bool]]] | None = None,
+                 raw: dict[int, tuple[Any, tuple[Any, ...], dict[str, Any] | None]] | None = None,
+                 rigid: set[int] | None = None) -> None:
         self.calls = calls
         self.outs = outs
         self.views = views
+        self.slots = slots or {}
+        self.raw = raw or {}
+        self.rigid = rigid or set()
 
     @classmethod
     def build(cls, sl: StraightLine, args: Sequence[Any], record: Sequence[torch.Tensor]) -> _Program | None:
-        passed = list(args) if sl.keep is None else [args[i] for i in sl.keep]
+        idx = list(range(len(args))) if sl.keep is None else list(sl.keep)
+        passed = [args[i] for i in idx]
         if len(passed) != len(sl.params):
             return None
         env: dict[str, Any] = dict(zip(sl.params, passed))
         block: dict[str, int] = {}  # local name -> record block its memory is
+        origin = {n: i for n, i in zip(sl.params, idx) if isinstance(env[n], torch.Tensor)}  # name -> argument
         views: list[tuple[int, torch.Tensor]] = []
+        slots: dict[int, list[tuple[int, int | str, Any, Any, int, bool]]] = {}
+        raw: dict[int, tuple[Any, tuple[Any, ...], dict[str, Any] | None]] = {}
+        rigid: set[int] = set()
 
         def view(src: str, size: Any, stride: Any, offset: int) -> torch.Tensor:
             v = sl.reinterpret(env[src], size, stride, offset)
@@ -365,6 +386,9 @@ class _Program:
                 return spec[1]
             return view(*spec[1:])
 
+        def argument_of(spec: tuple[Any, ...]) -> int | None:
+            return None if spec[0] == "value" else origin.get(spec[1])
+
         calls: list[tuple[Any, tuple[Any, ...], dict[str, Any] | None]] = []
         k = 0
         for st in sl.steps:
@@ -378,31 +402,71 @@ class _Program:
                 env[st[1]] = t
                 block[st[1]] = k
                 k += 1
-            elif kind == "view":
-                env[st[1]] = view(*st[2:])
+            elif kind in ("view", "alias"):
+                env[st[1]] = view(*st[2:]) if kind == "view" else env[st[2]]
                 if st[2] in block:
                     block[st[1]] = block[st[2]]
-            elif kind == "alias":
-                env[st[1]] = env[st[2]]
-                if st[2] in block:
-                    block[st[1]] = block[st[2]]
+                if st[2] in origin:
+                    origin[st[1]] = origin[st[2]]
             elif kind == "del":
                 for name in st[1]:
                     env.pop(name, None)
                     block.pop(name, None)
+                    origin.pop(name, None)
             else:
                 kw = {n: value(v) for n, v in st[3].items()} or None
                 fn, call_args = st[1], tuple(value(a) for a in st[2])
+                uses = [(argument_of(spec), key, t) for key, spec, t in
+                        [*zip(range(len(st[2])), st[2], call_args),
+                         *((n, st[3][n], kw[n]) for n in (kw or {}))]]
+                uses = [(j, key, t) for j, key, t in uses if j is not None and isinstance(t, torch.Tensor)]
+                for j, key, t in uses:
+                    base = args[j]
+                    slots.setdefault(j, []).append((len(calls), key, t.size(), t.stride(),
+                                                    t.storage_offset() - base.storage_offset(), t is base))
                 # an extern kernel that names the built kernel it runs (graphgear's own
-                # small-batch product): call that kernel itself
+                # kernels): call that kernel itself
                 direct = getattr(fn, "graphgear_direct", None)
                 if direct is not None:
+                    if uses:
+                        raw[len(calls)] = (fn, call_args, kw)
                     fn, call_args, kw = direct(call_args, kw)
                 calls.append((fn, call_args, kw))
         if k != len(record):
             return None
+        rigid.update(j for j in (argument_of(o) for o in sl.outs) if j is not None)
         outs = [value(o) for o in sl.outs]
-        return cls(calls, outs, views)
+        return cls(calls, outs, views, slots, raw, rigid)
+
+    def rebind(self, j: int, t: torch.Tensor) -> bool:
+        """Point the calls that take bound argument ``j`` (or views of it) at ``t``, which
+        has its size, strides and dtype; False where only building the program again
+        can (see ``rigid``) or a view does not fit in ``t``'s storage."""
+        if j in self.rigid:
+            return False
+        todo = self.slots.get(j, ())
+        base = t.storage_offset()
+        new = []
+        try:
+            for _c, _key, size, stride, delta, whole in todo:
+                new.append(t if whole else t.as_strided(size, stride, base + delta))
+        except RuntimeError:  # out of t's storage: the full build decides
+            return False
+        calls, raw = self.calls, self.raw
+        changed: dict[int, tuple[Any, tuple[Any, ...], dict[str, Any] | None]] = {}
+        for (c, key, *_), v in zip(todo, new):
+            fn, a, kw = changed.get(c) or raw.get(c) or calls[c]
+            if isinstance(key, int):
+                a = a[:key] + (v,) + a[key + 1:]
+            else:
+                kw = {**(kw or {}), key: v}
+            changed[c] = (fn, a, kw)
+        for c, (fn, a, kw) in changed.items():
+            if c in raw:  # the generated code's call: rewritten (and checked) again
+                raw[c] = (fn, a, kw)
+                fn, a, kw = fn.graphgear_direct(a, kw)
+            calls[c] = (fn, a, kw)
+        return True
 
     def same_outputs(self, outs: Sequence[Any]) -> bool:
         """Whether these are the capture's outputs: same memory, size, strides, dtype."""
