@@ -278,6 +278,35 @@ def test_custom_pool_shared_by_two_models() -> None:
     assert_close(o2, n2(x), reduction=8)
 
 
+class _Wide(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x))) * 2
+
+
+def test_a_pool_shared_by_models_captured_under_no_grad_and_inference_mode() -> None:
+    """Each model's capture grows the shared pool's blocks, which moves the earlier
+    models' buffers to the larger blocks (``set_``). Buffers captured under
+    ``inference_mode`` are inference tensors, which refuse ``set_`` outside it: the
+    growth under ``no_grad`` failed the capture (the model then ran uncaptured), and
+    with a block holding both kinds it could stop halfway, splitting a capture's
+    buffers between two blocks. Every model captures and stays right."""
+    pool = MemoryPool()
+    nets = [_Wide(d) for d in (8, 32, 64)]
+    modes = [torch.no_grad, torch.inference_mode, torch.no_grad]
+    fns = [torch.compile(n, backend=_ro(warmup_iters=0, use_custom_pool=pool)) for n in nets]
+    xs = [torch.randn(4 * (i + 1), n.a.in_features) for i, n in enumerate(nets)]
+    for _ in range(2):
+        for f, n, x, mode in zip(fns, nets, xs, modes):
+            with mode():
+                assert_close(f(x).clone(), n(x), reduction=x.shape[1])
+    recs = graphgear.stats().graphs
+    assert [(r.captures, r.replays, r.fallbacks) for r in recs] == [(1, 1, [])] * 3, str(graphgear.stats())
+
+
 def _nonzero_graph() -> torch.fx.GraphModule:
     return make_fx(lambda x: torch.nonzero(x * 2))(torch.tensor([0.0, 1.0, 2.0]))
 

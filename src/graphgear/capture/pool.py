@@ -154,11 +154,16 @@ class MemoryPool:
         if blk.nbytes() < nbytes or blk.device != device:
             new = torch.UntypedStorage(nbytes, device=device)
             live = []
-            for ref in a.views[index]:
-                t = ref()
-                if t is not None:
-                    t.set_(new, t.storage_offset(), t.size(), t.stride())
-                    live.append(ref)
+            # under inference mode: buffers of a capture made under inference_mode are
+            # inference tensors, which refuse set_ outside it (a pool shared with a model
+            # captured under no_grad; a refusal halfway would leave a capture's buffers
+            # split between the two blocks); other tensors take set_ there as well
+            with torch.inference_mode():
+                for ref in a.views[index]:
+                    t = ref()
+                    if t is not None:
+                        t.set_(new, t.storage_offset(), t.size(), t.stride())
+                        live.append(ref)
             a.views[index] = live
             a.nbytes += nbytes - (blk.nbytes() if blk.device == device else 0)
             a.blocks[index] = blk = new
