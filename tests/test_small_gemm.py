@@ -159,7 +159,8 @@ def test_where_the_kernel_cannot_be_built_mkl_serves_and_the_reason_is_logged(mo
 
 
 def test_unfrozen_products_are_left_to_inductor(monkeypatch) -> None:
-    """Without ``frozen_parameter`` a weight may change between calls: no packing."""
+    """Without ``frozen_parameter`` a weight may change between calls: no packing (the
+    products go to graphgear's row-major product instead: ``test_small_linear``)."""
     seen = _products(monkeypatch)
     net = _mlp()
     f = torch.compile(net, backend=_ro(warmup_iters=0))

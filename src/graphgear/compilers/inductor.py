@@ -45,6 +45,7 @@ from ..context import CompileContext
 from ..passes import PASSES_VERSION
 from ..passes.ops import inductor_fused_op_decompositions, inline_decompositions, register_inductor_lowering
 from .mkl_pack import group_frozen_products, pack_frozen_linears, pack_frozen_small
+from .small_linear import route_small_products
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +103,10 @@ def compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: Com
     if loaded is not None:
         return _unflattening(loaded.code, pytree.treespec_loads(loaded.spec) if loaded.spec else None)
     spec = _return_tuple(gm)
+    if ctx.stage == "inference":  # (an op without a backward: inference graphs only)
+        routed = route_small_products(gm)
+        if routed:
+            ctx.record.passes["small_linear"] = ctx.record.passes.get("small_linear", 0) + routed
     inlined = prepare_for_inductor(gm)
     if inlined:
         log.debug("graphgear: inlined %d fused ops for Inductor in %s", inlined, ctx.record.name)
@@ -244,6 +249,9 @@ def compile_static(
         # them are graphgear's products already)
         if _rows_left(dgm) > 1:
             patches.update(max_autotune=True, max_autotune_gemm_backends="CPP")
+    elif stage == "inference":
+        # weights passed in (they may change): small-M products read them as they lie
+        route_small_products(dgm)
     patches["cpp_wrapper"] = cpp_wrapper
     with cache_context(fakes, replace=True), inductor_config_patch(**patches):
         compiled = inductor_compile_fx_inner(

@@ -5,6 +5,7 @@ kernels writing into buffers Inductor allocates (so the graph stays straight-lin
 the CPU graph replays as kernel calls).
 
 * :mod:`.small_gemm`: the product of 2 to 16 rows by a frozen weight (decode batches);
+* :mod:`.small_linear`: the same for a weight that is not frozen, read as it lies;
 * :mod:`.decode_attention`: one-query attention over a KV cache that reads only the
   keys its mask lets through.
 
@@ -16,10 +17,10 @@ from __future__ import annotations
 
 from torch import fx
 
-from . import decode_attention, small_gemm
+from . import decode_attention, small_gemm, small_linear
 from .build import VECTOR_PRELUDE, build
 
-__all__ = ["VECTOR_PRELUDE", "build", "calls_in", "decode_attention", "register_lowerings", "small_gemm"]
+__all__ = ["VECTOR_PRELUDE", "build", "calls_in", "decode_attention", "register_lowerings", "small_gemm", "small_linear"]
 
 
 def register_lowerings() -> None:
@@ -27,6 +28,7 @@ def register_lowerings() -> None:
     (idempotent): before any Inductor compile, and before code loaded from the compile
     cache (which calls ``extern_kernels.graphgear_*``) runs."""
     small_gemm.register_lowering()
+    small_linear.register_lowering()
     decode_attention.register_lowering()
 
 
