@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from .. import _torch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["VECTOR_PRELUDE", "build"]
+__all__ = ["VECTOR_PRELUDE", "build", "product_direct"]
 
 #: C++ shared by the kernels: the vector width of the ISA Inductor builds for (16 floats
 #: with AVX-512, 8 with AVX/AVX2, 4 otherwise; ``VW``, and ``GG_VW`` for the
@@ -50,3 +51,19 @@ def build(what: str, argtypes: Sequence[str], source: str, instead: str) -> Call
                     str(e).splitlines()[0] if str(e) else "", instead)
         return None
 
+
+
+def product_direct(kernel: Callable[[], Callable[..., None] | None],
+                   check: Callable[..., tuple[Any, ...]]) -> Callable[..., tuple[Any, tuple[Any, ...], None]]:
+    """The ``graphgear_direct`` of an extern product ``fn(x, w, b=None, *, out)``: the
+    CPU graph's kernel-call replay calls the built kernel (``kernel()``) itself with
+    the arguments ``check(x, w, b, out)`` gives, checked once when its calls are made,
+    no Python frame per replay."""
+    def direct(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> tuple[Any, tuple[Any, ...], None]:
+        out = (kwargs or {})["out"]
+        x, w, *rest = args
+        fn = kernel()
+        assert fn is not None  # a graph that calls it was compiled with it
+        return fn, check(x, w, rest[0] if rest else None, out), None
+
+    return direct

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from .._torch import register_inductor_extern_out
-from .build import VECTOR_PRELUDE, build
+from .build import VECTOR_PRELUDE, build, product_direct
 
 __all__ = ["MAX_ROWS", "MIN_ROWS", "PANEL", "kernel", "pack_bias", "pack_weight", "packed_linear",
            "packed_linear_out", "register_lowering"]
@@ -188,17 +188,8 @@ def packed_linear_out(x: torch.Tensor, wp: torch.Tensor, b: torch.Tensor | None 
     return out
 
 
-def _direct(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> tuple[Any, tuple[Any, ...], None]:
-    """The CPU graph's kernel-call replay calls the built kernel itself: checked once here
-    when its calls are made, no Python frame per replay."""
-    out = (kwargs or {})["out"]
-    x, wp, *rest = args
-    fn = kernel()
-    assert fn is not None  # a graph that calls it was compiled with it
-    return fn, _args(x, wp, rest[0] if rest else None, out), None
-
-
-packed_linear_out.graphgear_direct = _direct  # type: ignore[attr-defined]  # read by capture/cpu_graph
+# read by capture/cpu_graph (kernel and _args looked up when called, as in packed_linear_out)
+packed_linear_out.graphgear_direct = product_direct(lambda: kernel(), lambda *a: _args(*a))  # type: ignore[attr-defined]
 
 
 @torch.library.custom_op("graphgear::packed_linear", mutates_args=())

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from .._torch import register_inductor_extern_out
-from .build import VECTOR_PRELUDE, build
+from .build import VECTOR_PRELUDE, build, product_direct
 
 __all__ = ["MAX_ROWS", "MIN_ROWS", "kernel", "register_lowering", "small_linear", "small_linear_out"]
 
@@ -161,17 +161,8 @@ def small_linear_out(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = 
     return out
 
 
-def _direct(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> tuple[Any, tuple[Any, ...], None]:
-    """The CPU graph's kernel-call replay calls the built kernel itself: checked once here
-    when its calls are made, no Python frame per replay."""
-    out = (kwargs or {})["out"]
-    x, w, *rest = args
-    fn = kernel()
-    assert fn is not None  # a graph that calls it was compiled with it
-    return fn, _args(x, w, rest[0] if rest else None, out), None
-
-
-small_linear_out.graphgear_direct = _direct  # type: ignore[attr-defined]  # read by capture/cpu_graph
+# read by capture/cpu_graph (kernel and _args looked up when called, as in small_linear_out)
+small_linear_out.graphgear_direct = product_direct(lambda: kernel(), lambda *a: _args(*a))  # type: ignore[attr-defined]
 
 
 @torch.library.custom_op("graphgear::small_linear", mutates_args=())
