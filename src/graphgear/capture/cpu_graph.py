@@ -461,11 +461,14 @@ class _Program:
             else:
                 kw = {**(kw or {}), key: v}
             changed[c] = (fn, a, kw)
-        for c, (fn, a, kw) in changed.items():
-            if c in raw:  # the generated code's call: rewritten (and checked) again
-                raw[c] = (fn, a, kw)
-                fn, a, kw = fn.graphgear_direct(a, kw)
-            calls[c] = (fn, a, kw)
+        try:
+            for c, (fn, a, kw) in changed.items():
+                if c in raw:  # the generated code's call: rewritten (and checked) again
+                    raw[c] = (fn, a, kw)
+                    fn, a, kw = fn.graphgear_direct(a, kw)
+                calls[c] = (fn, a, kw)
+        except (RuntimeError, TypeError, ValueError):  # a check refused it: the full build
+            return False  # decides (and replaces this program), as at capture
         return True
 
     def same_outputs(self, outs: Sequence[Any]) -> bool:
