@@ -45,7 +45,7 @@ def test_kernel_split_over_threads_equals_aten() -> None:
     _built()
     torch.manual_seed(0)
     for threads in each_thread_count(2, 3):
-        for m, n, k in [(3, 1000, 64), (9, 2053, 128), (16, 97, 1024)]:
+        for m, n, k in [(1, 2053, 128), (3, 1000, 64), (9, 2053, 128), (16, 97, 1024)]:
             x, w, b = torch.randn(m, k), torch.randn(n, k), torch.randn(n)
             assert_close(small_linear.small_linear(x, w, b), torch.nn.functional.linear(x, w, b),
                          reduction=k, what=f"{threads} threads, rows {m}, N {n}, K {k}")
@@ -94,6 +94,32 @@ def test_unfrozen_products_of_2_to_16_rows_are_graphgears_and_see_weight_updates
                   for e in o.entries.values() if e.graph is not None and e.graph.program is not None]
         fns = [c[0] for g in graphs for c in g.program.calls]
         assert fns.count(small_linear.kernel()) == 3, fns
+
+
+def _wide() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 2100), nn.ReLU(), nn.Linear(2100, 8, bias=False), nn.ReLU(),
+                         nn.Linear(8, 16)).eval()
+
+
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
+def test_one_row_products_too_wide_for_inductors_decomposition_are_graphgears(monkeypatch, mode) -> None:
+    """At one row, products whose weight has a side over 2048 (Inductor's one-row
+    decomposition leaves them to ATen's ``sgemv``) go to graphgear's product; a narrow
+    one stays Inductor's fused loops. Results equal eager's, a weight changed in place
+    included."""
+    _built()
+    seen = ops_compiled(monkeypatch, torch.ops.graphgear.small_linear.default)
+    net = _wide()
+    f = torch.compile(net, backend=graphgear.get_backend(make_config(mode, warmup_iters=0)))
+    with torch.no_grad():
+        for step in range(4):
+            if step == 2:
+                net[0].weight.mul_(-0.5)
+                net[2].weight.add_(0.01)
+            x = torch.randn(1, 16)
+            assert_close(f(x), net(x), reduction=2100, what=f"step {step}")
+    assert seen == [(2,)], seen
 
 
 @pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])

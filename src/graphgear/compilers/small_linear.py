@@ -6,10 +6,16 @@
 :data:`~graphgear.kernels.small_linear.MAX_ROWS` and whose ``W`` is a 2-D contiguous
 fp32 CPU value (a parameter passed in, as max-autotune and reduce-overhead without
 ``frozen_parameter`` see it) into ``graphgear::small_linear(x, W, b)``, which Inductor
-calls as an extern kernel (:mod:`graphgear.kernels.small_linear`). The weight is read
-as it is on every call: a parameter changed in place is seen. Frozen graphs pack their
-weights instead (:mod:`.mkl_pack`). Nothing is rewritten where the kernel cannot be
-built here.
+calls as an extern kernel (:mod:`graphgear.kernels.small_linear`). One-row products go
+there too when ``W`` has a side wider than Inductor's one-row decomposition takes
+(``decompose_mm_pass``, 2048: a real model's MLP and vocabulary products), which would
+leave them to ATen's ``sgemv``; the narrower ones stay Inductor's loops, fused with
+their neighbours. Measured in bench_decode's large Qwen2 (hidden 1024, MLP 2816, vocab
+8192; batch 1, same run, 2026-12-03, routed / not, ratio to ``torch.compile``):
+max-autotune 0.93 / 1.03 at 1 thread, 0.73 / 1.08 at 2; reduce-overhead 0.84 / 0.94
+and 0.61 / 0.96. The weight is read as it is on every call: a parameter changed in
+place is seen. Frozen graphs pack their weights instead (:mod:`.mkl_pack`). Nothing is
+rewritten where the kernel cannot be built here.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import logging
 import torch
 from torch import fx
 
+from .._torch import inductor_one_row_decompose_limit
 from ..kernels import small_linear
 
 log = logging.getLogger(__name__)
@@ -52,7 +59,7 @@ def _weight(node: object) -> fx.Node | None:
     return src
 
 
-def _product(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None] | None:
+def _product(node: fx.Node, one_row_limit: int) -> tuple[fx.Node, fx.Node, fx.Node | None] | None:
     if node.op != "call_function" or node.target not in (aten.mm.default, aten.addmm.default):
         return None
     bias: fx.Node | None = None
@@ -71,9 +78,11 @@ def _product(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None] | None:
     if w is None or xv is None or not isinstance(x, fx.Node):
         return None
     rows = xv.shape[0]
-    if not isinstance(rows, int) or not small_linear.MIN_ROWS <= rows <= small_linear.MAX_ROWS:
+    n, k = w.meta["val"].shape
+    if not isinstance(rows, int) or rows > small_linear.MAX_ROWS or rows < 1:
         return None
-    n = w.meta["val"].shape[0]
+    if rows < small_linear.MIN_ROWS and max(n, k) <= one_row_limit:
+        return None  # Inductor's one-row decomposition fuses it with its neighbours
     if bias is not None and bias.meta["val"].shape[0] != n:
         return None
     return x, w, bias
@@ -83,7 +92,8 @@ def route_small_products(gm: fx.GraphModule) -> int:
     """Rewrite ``gm``'s small-M products (see the module docstring); returns how many.
     ``gm``'s nodes need their ``val`` metadata."""
     g = gm.graph
-    found = [(n, f) for n in g.nodes if (f := _product(n)) is not None]
+    limit = inductor_one_row_decompose_limit()
+    found = [(n, f) for n in g.nodes if (f := _product(n, limit)) is not None]
     if not found or small_linear.kernel() is None:
         return 0
     for node, (x, w, bias) in found:

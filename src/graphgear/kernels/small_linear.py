@@ -1,5 +1,6 @@
 """graphgear's small-M matrix product for weights that are not frozen (decode batches 2
-to 16 in max-autotune and plain reduce-overhead).
+to 16 in max-autotune and plain reduce-overhead, and batch 1 where a weight is too wide
+for Inductor's one-row decomposition).
 
 Without ``frozen_parameter`` a weight may change between calls, so it cannot be packed
 once (:mod:`.small_gemm` does that for frozen weights); ATen's ``addmm``/``mm`` (MKL
@@ -16,6 +17,13 @@ Measured side by side (2026-12-03, 1 thread, AMD EPYC with AVX2; the 17 products
 bench_decode's small Qwen2 step, 11.5 MB of weights; µs for all 17, ATen / this
 kernel / :mod:`.small_gemm` on packed weights): 2 rows 1867 / 644 / 435, 4 rows 2467 /
 689 / 570, 8 rows 2663 / 1018 / 950.
+
+At one row 8 weight rows stream side by side. ATen's ``sgemv`` there reads at about
+the rate of one thread whatever the thread count; the 15 products of bench_decode's
+large model (126 MB, from DRAM; 2026-12-03, same run, ATen / this kernel / ``torch.sum``
+over the same weights): 1 thread 10134 / 8527 / 8945 µs, 2 threads 9930 / 5438 / 6056.
+(3 or 4 rows of 1 or 2 vectors each, 2 rows of 4: 3-10 % slower; a software prefetch
+ahead of each stream: 25 % slower.)
 
 Sums run along ``K`` in vector lanes, in another order than ATen's: results agree to
 fp32 rounding, not bit for bit. Where the kernel cannot be built (no C++ compiler)
@@ -35,8 +43,9 @@ from .build import VECTOR_PRELUDE, build, product_direct
 
 __all__ = ["MAX_ROWS", "MIN_ROWS", "kernel", "register_lowering", "small_linear", "small_linear_out"]
 
-#: rows served: decode batches above 1 (one row stays Inductor's fused loops); past 16
-#: rows ATen's GEMM does well enough
+#: rows served: decode batches above 1 (one row stays Inductor's fused loops where it
+#: decomposes it: see :mod:`graphgear.compilers.small_linear`); past 16 rows ATen's
+#: GEMM does well enough
 MIN_ROWS = 2
 MAX_ROWS = 16
 
@@ -97,25 +106,51 @@ static inline void column(const float* x, int64_t M, int64_t K, const float* w, 
     }
 }
 
+// one row: R1 weight rows stream side by side, one vector of sums each (a decode step at
+// batch 1 reads each weight once, from memory: as many streams as the prefetchers follow)
+constexpr int R1 = 8;
+
+template <int R>
+static inline void one(const float* x, int64_t K, const float* w, const float* b, float* y, int64_t n0) {
+    vec acc[R];
+    for (int r = 0; r < R; r++) acc[r] = vec{};
+    int64_t k = 0;
+    for (; k + VW <= K; k += VW) {
+        const vec xv = vload(x + k);
+        for (int r = 0; r < R; r++) acc[r] += xv * vload(w + (n0 + r) * K + k);
+    }
+    for (int r = 0; r < R; r++) {
+        float s = hsum(acc[r]);
+        for (int64_t j = k; j < K; j++) s += x[j] * w[(n0 + r) * K + j];
+        y[n0 + r] = s + (b ? b[n0 + r] : 0.0f);
+    }
+}
+
 static void rows(const float* x, const float* w, const float* b, float* y, int64_t M, int64_t K, int64_t N,
                  int64_t n_begin, int64_t n_end) {
     int64_t n = n_begin;
+    if (M == 1) {
+        for (; n + R1 <= n_end; n += R1) one<R1>(x, K, w, b, y, n);
+        for (; n < n_end; n++) one<1>(x, K, w, b, y, n);
+        return;
+    }
     for (; n + NR <= n_end; n += NR) column<NR>(x, M, K, w, b, y, N, n);
     for (; n < n_end; n++) column<1>(x, M, K, w, b, y, N, n);
 }
 
-// threads: split the weight rows in groups of NR
+// threads: split the weight rows in groups of NR (R1 at one row)
 extern "C" void kernel(const float* x, const float* w, const float* b, float* y, const int64_t M,
                        const int64_t K, const int64_t N, const int64_t has_bias, const int64_t threads) {
     const float* bias = has_bias ? b : nullptr;
 #ifdef _OPENMP
-    const int64_t groups = (N + NR - 1) / NR;
+    const int64_t unit = M == 1 ? R1 : NR;
+    const int64_t groups = (N + unit - 1) / unit;
     const int64_t nt = threads < groups ? threads : groups;
     if (nt > 1 && K * N >= 65536) {
         #pragma omp parallel num_threads(nt)
         {
             const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
-            rows(x, w, bias, y, M, K, N, std::min(N, groups * t / T * NR), std::min(N, groups * (t + 1) / T * NR));
+            rows(x, w, bias, y, M, K, N, std::min(N, groups * t / T * unit), std::min(N, groups * (t + 1) / T * unit));
         }
         return;
     }
