@@ -645,6 +645,38 @@ def test_frozen_parameters_are_packed_constants_and_match_eager(batch: int) -> N
     assert_close(model.layers[0].attn.k_cache, ref.layers[0].attn.k_cache, reduction=64)
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("batch", [1, 4, 20])
+def test_frozen_weights_are_keyed_by_shape_and_each_model_keeps_its_own(batch: int) -> None:
+    """Frozen weights are constants of the compiled code; Inductor's cache keys them by
+    shape, not value (hashing a real vocabulary's weights by value took minutes), so a
+    second model of the same shapes loads the first one's code from the cache. Each must
+    still compute with its own weights: one row (Inductor's loops and, past 2048 wide,
+    graphgear's packed product), 4 rows (graphgear's packed product), 20 rows (MKL's
+    packed products through the C++ wrapper: Inductor does not cache a graph holding
+    MKL's packed weights at all, it compiles it again)."""
+    from torch._dynamo.utils import counters
+
+    def mlp() -> nn.Module:  # fresh random weights every run: never in the disk cache
+        return nn.Sequential(nn.Linear(16, 2100), nn.GELU(), nn.Linear(2100, 32), nn.GELU(), nn.Linear(32, 32),
+                             nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 16)).eval()
+
+    a, b = mlp(), mlp()
+    fa = torch.compile(a, backend=_ro(warmup_iters=0, frozen_parameter=True))
+    fb = torch.compile(b, backend=_ro(warmup_iters=0, frozen_parameter=True))
+    x = torch.randn(batch, 16)
+    assert_close(fa(x), a(x), reduction=2100, what="first model")
+    before = dict(counters["inductor"])
+    assert_close(fb(x), b(x), reduction=2100, what="second model")
+    grew = {k for k in ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass")
+            if counters["inductor"][k] > before.get(k, 0)}
+    assert grew == ({"fxgraph_cache_bypass"} if batch > 16 else {"fxgraph_cache_hit"}), grew
+    for _ in range(2):  # each replays on its own constants
+        y = torch.randn(batch, 16)
+        assert_close(fa(y), a(y), reduction=2100, what="first model, after the second")
+        assert_close(fb(y), b(y), reduction=2100, what="second model, after the first")
+
+
 def test_frozen_small_m_products_are_packed_for_mkl_and_equal_eager() -> None:
     """pack_frozen_linears: ``mm``/``addmm`` with a frozen fp32 weight and 2..64 rows
     become MKL's packed GEMM (one packed copy per weight and row count) and compute what

@@ -152,6 +152,8 @@ __all__ = [
     "inductor_config_patch",
     "inductor_decomp_table",
     "inductor_lowering",
+    "inductor_mark_frozen",
+    "inductor_one_row_decompose_limit",
     "inductor_load_cpp_kernel",
     "register_inductor_extern_out",
     "inductor_remove_noop_ops",
@@ -718,6 +720,31 @@ def inductor_one_row_decompose_limit() -> int:
     except ImportError:
         return 2048
     return int(getattr(d, "cpu_max_other_dimension_decomposition", 2048))
+
+
+def inductor_mark_frozen(gm: torch.fx.GraphModule, names: Sequence[str]) -> None:
+    """Mark ``gm``'s buffers ``names`` as frozen parameters, as Inductor's own
+    ``freezing`` marks the weights it folds into a graph.
+
+    Inductor's FX graph cache then keys such a constant by its metadata (shape, dtype,
+    strides) instead of its values (``FxGraphCachePickler._reduce_tensor``, which
+    otherwise calls ``tolist()`` on every constant: 128 of 151 s of the first request of
+    a 2-layer Qwen2-0.5B-wide model, vocabulary 151936), and the cache entry holds the
+    constants' names, not their values: a compiled graph loaded from the cache (another
+    model of the same shapes, or a later process) takes them from ``gm``
+    (``CompiledFxGraphConstantsWithGm``).
+
+    ``torch._inductor.freezing_utils`` (``record_has_frozen_params``, the tensor
+    attribute ``_is_frozen_param``): 2.13, in 2.11 to 2.14. If it moved, nothing is
+    marked: constants are hashed by value (slow for large weights, still right)."""
+    try:
+        from torch._inductor.freezing_utils import record_has_frozen_params
+    except ImportError:
+        return
+    for name in names:
+        t = getattr(gm, name)
+        t._is_frozen_param = True  # type: ignore[attr-defined]
+    record_has_frozen_params(gm)
 
 
 def count_tangents(gm: torch.fx.GraphModule) -> int:

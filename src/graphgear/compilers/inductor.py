@@ -36,6 +36,7 @@ from .._torch import (
     inductor_config_patch,
     inductor_decomp_table,
     inductor_drop_args,
+    inductor_mark_frozen,
     pytree,
     tracing,
     unset_fake_temporarily,
@@ -249,6 +250,9 @@ def compile_static(
         # them are graphgear's products already)
         if _rows_left(dgm) > 1:
             patches.update(max_autotune=True, max_autotune_gemm_backends="CPP")
+        # the weights (and their packed copies) are constants now: Inductor's cache keys
+        # them by shape, not by value, and takes their values from this module
+        inductor_mark_frozen(dgm, [n for n, _ in dgm.named_buffers() if n.startswith("_graphgear_")])
     elif stage == "inference":
         # weights passed in (they may change): small-M products read them as they lie
         route_small_products(dgm)
