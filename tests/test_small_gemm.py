@@ -102,15 +102,17 @@ def test_served_products_of_2_to_16_rows_are_graphgears_and_replay_as_kernel_cal
         assert fns.count(small_gemm.kernel()) == 3, fns
 
 
-def test_one_row_products_too_wide_for_inductors_decomposition_are_graphgears(monkeypatch) -> None:
-    """At one row, a product whose weight is wider than Inductor's one-row
-    decomposition takes (it would stay ATen's ``sgemv``) goes to graphgear's product;
-    the narrow one stays Inductor's fused loop. Results equal eager's at every step."""
+def test_one_row_products_too_wide_for_inductors_decomposition_are_graphgears_unpacked(monkeypatch) -> None:
+    """At one row, a product whose frozen weight is wider than Inductor's one-row
+    decomposition takes (it would stay ATen's ``sgemv``) goes to graphgear's row-major
+    product on the frozen weight itself: no packed copy is made. The narrow one stays
+    Inductor's fused loop. Results equal eager's at every step."""
     _built()
     from graphgear._torch import inductor_one_row_decompose_limit
 
     wide = inductor_one_row_decompose_limit() + 5  # not a whole panel of 32 either
-    seen = _products(monkeypatch)
+    seen = ops_compiled(monkeypatch, torch.ops.graphgear.packed_linear.default, torch.ops.mkl._mkl_linear.default,
+                        torch.ops.graphgear.small_linear.default)
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(24, 40), nn.ReLU(), nn.Linear(40, wide), nn.ReLU(),
                         nn.Linear(wide, 8, bias=False)).eval()
@@ -119,17 +121,20 @@ def test_one_row_products_too_wide_for_inductors_decomposition_are_graphgears(mo
         for _ in range(3):
             x = torch.randn(1, 24)
             assert_close(f(x), net(x), reduction=wide)
-    assert seen == [(2, 0)], seen
+    assert seen == [(0, 0, 2)], seen
 
 
 def test_without_the_kernel_wide_one_row_products_stay_atens(monkeypatch) -> None:
-    """Where graphgear's product cannot be built, the wide one-row products stay ATen's
-    (nothing rewritten), a batch of 0 rows runs too, and results equal eager's."""
+    """Where graphgear's row-major product cannot be built, the wide one-row products
+    stay ATen's (nothing rewritten, nothing packed), a batch of 0 rows runs too, and
+    results equal eager's."""
     from graphgear._torch import inductor_one_row_decompose_limit
+    from graphgear.kernels import small_linear
 
-    monkeypatch.setattr(small_gemm, "kernel", lambda: None)
+    monkeypatch.setattr(small_linear, "kernel", lambda: None)
     wide = inductor_one_row_decompose_limit() + 5
-    seen = _products(monkeypatch)
+    seen = ops_compiled(monkeypatch, torch.ops.graphgear.packed_linear.default, torch.ops.mkl._mkl_linear.default,
+                        torch.ops.graphgear.small_linear.default)
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(24, wide), nn.ReLU(), nn.Linear(wide, 8)).eval()
     f = graphgear.inference.serve(net, make_config("reduce-overhead", warmup_iters=0))
@@ -138,7 +143,7 @@ def test_without_the_kernel_wide_one_row_products_stay_atens(monkeypatch) -> Non
             x = torch.randn(1, 24)
             assert_close(f(x), net(x), reduction=wide)
         assert f(torch.randn(0, 24)).shape == (0, 8)
-    assert seen and all(s == (0, 0) for s in seen), seen
+    assert seen and all(s == (0, 0, 0) for s in seen), seen
 
 
 def test_where_the_kernel_cannot_be_built_mkl_serves_and_the_reason_is_logged(monkeypatch, caplog) -> None:
@@ -176,14 +181,17 @@ def test_unfrozen_products_are_left_to_inductor(monkeypatch) -> None:
 def test_served_transformers_decoder_equals_eager_with_graphgears_products(monkeypatch, batch: int) -> None:
     """A served transformers Qwen2 (grouped-query attention, biased q/k/v projections)
     at batch 4, and at batch 1 with a vocabulary too wide for Inductor's one-row
-    decomposition: its products (at batch 1 the vocabulary's) are graphgear's, its step
-    replays as kernel calls, and logits and the KV cache equal eager's at every step."""
+    decomposition: its products are graphgear's (at batch 1 the vocabulary's, by the
+    row-major product on the frozen weight, unpacked), its step replays as kernel calls,
+    and logits and the KV cache equal eager's at every step."""
     _built()
     from transformers import StaticCache
 
     from graphgear._torch import inductor_one_row_decompose_limit
+    from graphgear.kernels import small_linear
 
-    seen = _products(monkeypatch)
+    seen = ops_compiled(monkeypatch, torch.ops.graphgear.packed_linear.default, torch.ops.mkl._mkl_linear.default,
+                        torch.ops.graphgear.small_linear.default)
     wide_vocab = {} if batch > 1 else {"vocab_size": inductor_one_row_decompose_limit() + 40}
     cfg, model, ref = hf_qwen2_pair(**wide_vocab)
     f = graphgear.inference.serve(model)
@@ -198,10 +206,12 @@ def test_served_transformers_decoder_equals_eager_with_graphgears_products(monke
             assert_close(layer.keys, ref_layer.keys, reduction=64, what="keys")
             assert_close(layer.values, ref_layer.values, reduction=64, what="values")
         tok, ref_tok = out[:, -1:].argmax(-1), want[:, -1:].argmax(-1)
-    assert seen and seen[-1][0] > 0 and seen[-1][1] == 0, seen
+    packed, mkl, row_major = seen[-1]
+    assert (packed > 0, mkl, row_major > 0) == ((True, 0, False) if batch > 1 else (False, 0, True)), seen
     graphs = [e.graph for o in gc.get_objects() if type(o) is CaptureEngine
               for e in o.entries.values() if e.graph is not None and e.graph.program is not None]
-    assert any(c[0] is small_gemm.kernel() for g in graphs for c in g.program.calls)
+    want = small_gemm.kernel() if batch > 1 else small_linear.kernel()
+    assert any(c[0] is want for g in graphs for c in g.program.calls)
 
 
 def test_served_gears_with_padding_run_graphgears_products_on_the_padded_rows(monkeypatch) -> None:

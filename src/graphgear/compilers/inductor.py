@@ -209,10 +209,9 @@ def compile_static(
     kernel cannot be built) to MKL's packed GEMM (:mod:`.mkl_pack`; products of the same
     rows grouped into one first); one-row products are Inductor's decomposed
     reductions (``decompose_mm_pass``), except those with a weight too wide for it, which
-    go to graphgear's product too (the large bench_decode model's MLP and vocabulary
-    products at one row, served step, same run: ATen 10153 µs, graphgear's 6548;
-    :func:`~.mkl_pack.pack_frozen_small`); products of more rows Inductor's C++ GEMM
-    template. A graph with at least
+    go to graphgear's row-major product on the frozen weight, unpacked
+    (:mod:`.small_linear`; see :func:`~.mkl_pack.pack_frozen_small`); products of more
+    rows Inductor's C++ GEMM template. A graph with at least
     :data:`CPP_WRAPPER_MIN_EXTERN_CALLS` MKL products and no call of graphgear's kernels
     (:mod:`graphgear.kernels`) is compiled
     with Inductor's C++ wrapper (the CPU graph then copies its outputs to static buffers).
@@ -244,7 +243,11 @@ def compile_static(
         # graphgear's kernels (its product, its decode attention) are Python-level extern
         # kernels (the CPU graph calls them directly): the C++ wrapper is for graphs of
         # MKL's products only
-        cpp_wrapper = pack_frozen_linears(dgm) >= CPP_WRAPPER_MIN_EXTERN_CALLS and not kernels.calls_in(dgm)
+        mkl_products = pack_frozen_linears(dgm)
+        # one-row products too wide for Inductor's decomposition (and any small-M product
+        # left): graphgear's row-major product on the frozen weight itself, no packed copy
+        route_small_products(dgm)
+        cpp_wrapper = mkl_products >= CPP_WRAPPER_MIN_EXTERN_CALLS and not kernels.calls_in(dgm)
         # products left: Inductor's C++ GEMM template for those of more rows than MKL's
         # packing takes; one-row ones stay Inductor's fused loops (those too wide for
         # them are graphgear's products already)

@@ -36,7 +36,6 @@ import logging
 import torch
 from torch import fx
 
-from .._torch import inductor_one_row_decompose_limit
 from ..kernels import small_gemm
 
 log = logging.getLogger(__name__)
@@ -152,39 +151,25 @@ def pack_frozen_linears(gm: fx.GraphModule, *, min_rows: int = MIN_ROWS, max_row
     return count
 
 
-def _small_product(gm: fx.GraphModule, node: fx.Node,
-                   limit: int) -> tuple[fx.Node, fx.Node, fx.Node | None] | None:
-    """:func:`_frozen_product` of :data:`small_gemm.MIN_ROWS` to
-    :data:`small_gemm.MAX_ROWS` rows, or of one row with a weight wider (either
-    dimension) than ``limit``, the widest Inductor's one-row decomposition takes; else
-    None."""
-    found = _frozen_product(gm, node, 1, small_gemm.MAX_ROWS)
-    if found is None or found[0].meta["val"].shape[0] >= small_gemm.MIN_ROWS:
-        return found
-    w = _constant(gm, found[1])
-    return found if w is not None and max(w.shape) > limit else None
-
-
 def pack_frozen_small(gm: fx.GraphModule) -> int:
     """Rewrite ``gm``'s products with frozen weights of :data:`small_gemm.MIN_ROWS` to
-    :data:`small_gemm.MAX_ROWS` rows, and its one-row products whose weight is too wide
-    for Inductor's one-row decomposition (``decompose_mm_pass``: those stay ATen's
-    ``sgemv``), to graphgear's own packed product (``graphgear::packed_linear``,
-    :mod:`graphgear.kernels.small_gemm`); returns how many. Run before
-    :func:`pack_frozen_linears`, which packs what is left for MKL. Nothing is rewritten
-    where the kernel cannot be built here.
+    :data:`small_gemm.MAX_ROWS` rows to graphgear's own packed product
+    (``graphgear::packed_linear``, :mod:`graphgear.kernels.small_gemm`); returns how
+    many. Run before :func:`pack_frozen_linears`, which packs what is left for MKL.
+    Nothing is rewritten where the kernel cannot be built here.
 
-    One-row products Inductor decomposes stay its fused loops: they fuse with their
-    neighbours, and were faster in the model (Qwen2 hidden 256, served step 3113 µs
-    unpacked against 3455 µs packed; 2026-12-02, hidden 256 471 against 530 µs, hidden
-    128 140 against 149 µs). The wide ones are the large decoder's MLP and vocabulary
-    products, read from DRAM: there the packed product streams the weight at 17-20 GB/s
-    against ``sgemv``'s 12 GB/s (2026-12-02, 1 thread, a machine reading 24 GB/s), and the
-    served step of bench_decode's hidden-1024 model went from 10153 to 6548 µs (same run;
-    every one-row product packed: 6501 µs)."""
+    One-row products are not packed. Those Inductor decomposes stay its fused loops:
+    they fuse with their neighbours, and were faster in the model (2026-12-02, served
+    step, hidden 256 471 against 530 µs packed, hidden 128 140 against 149 µs). Those
+    too wide for its one-row decomposition (``decompose_mm_pass``: a real model's MLP
+    and vocabulary products, which would stay ATen's ``sgemv``) go to graphgear's
+    row-major product on the frozen weight itself (:mod:`.small_linear`), which streams
+    it faster than the packed product and needs no packed copy (2026-12-03, the large
+    bench model's MLP products and a 151936 x 896 vocabulary, from DRAM, same run,
+    packed / row-major: 1 thread 53.1 / 43.7 ms, 2 threads 31.7 / 26.9)."""
     g = gm.graph
-    limit = inductor_one_row_decompose_limit()
-    found_any = [(n, f) for n in g.nodes if (f := _small_product(gm, n, limit)) is not None]
+    found_any = [(n, f) for n in g.nodes
+                 if (f := _frozen_product(gm, n, small_gemm.MIN_ROWS, small_gemm.MAX_ROWS)) is not None]
     if not found_any or small_gemm.kernel() is None:
         return 0
     packed: dict[str, str] = {}
