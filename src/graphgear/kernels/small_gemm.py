@@ -24,10 +24,11 @@ In the served step of that model (same run, graphgear's / MKL's products), 1 thr
 batch 2 0.87 and 0.67, batch 4 0.65 and 0.57, batch 8 0.70 and 0.73; 2 threads (the
 panels split over the threads): batch 2 0.76, batch 8 0.81; the large model (hidden 1024,
 128 MB of weights) batch 8 0.84. At one row it was no faster than Inductor's fused
-loops (0.98, 1.01), so one-row products stay theirs, except those whose weight is too
-wide for Inductor's one-row decomposition, which would be ATen's ``sgemv``: from DRAM
-this kernel streams them at 17-20 GB/s against 12 (2026-12-02, 1 thread;
-:func:`graphgear.compilers.mkl_pack.pack_frozen_small`).
+loops (0.98, 1.01), so one-row products stay theirs; those whose weight is too wide
+for Inductor's one-row decomposition (which would be ATen's ``sgemv``) went here until
+2026-12-03 and now go to :mod:`.small_linear`, which streams the frozen weight as it
+lies faster than this kernel streams its packed copy, and needs no copy
+(:func:`graphgear.compilers.mkl_pack.pack_frozen_small`).
 
 Summation order differs from MKL's and ATen's (per output, over ``K`` in order, in
 fp32): results agree to fp32 rounding, not bit for bit. Where the kernel cannot be
