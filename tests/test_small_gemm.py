@@ -146,6 +146,59 @@ def test_without_the_kernel_wide_one_row_products_stay_atens(monkeypatch) -> Non
     assert seen and all(s == (0, 0, 0) for s in seen), seen
 
 
+def test_served_batch_sizes_share_one_packed_copy_of_each_weight() -> None:
+    """Every batch size (gear) of a served model packs the same frozen weights: the copies
+    (packed weights, concatenated q/k/v-like groups) are made once per backend and held
+    by every gear's code, not once per gear; results equal eager's at each."""
+    _built()
+    torch.manual_seed(0)
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q, self.k, self.v = nn.Linear(64, 64), nn.Linear(64, 32), nn.Linear(64, 32)
+            self.out = nn.Linear(128, 64, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.out(torch.cat([self.q(x), self.k(x), self.v(x)], -1).relu())
+
+    net = Block().eval()
+    backend = graphgear.get_backend(make_config("reduce-overhead", warmup_iters=0, frozen_parameter=True))
+    f = torch.compile(net, backend=backend)
+    held = []
+    with torch.no_grad():
+        for rows in (2, 4, 8, 3):
+            x = torch.randn(rows, 64)
+            assert_close(f(x), net(x), reduction=128, what=f"{rows} rows")
+            held.append((len(backend._frozen_copies), backend._frozen_copies.nbytes()))
+    # q/k/v grouped: their concatenation packed (the concatenation itself dropped once
+    # packed), the output weight packed, the concatenated bias packed
+    assert held[0][0] >= 2 and held[0][1] > 0, held
+    assert all(h == held[0] for h in held), held
+
+
+def test_frozen_copies_live_as_long_as_a_gear_holds_them() -> None:
+    """The store holds copies weakly: a copy no compiled code holds is made again; a
+    copy of a copy is found again by how it was made, though made anew."""
+    from graphgear.compilers.frozen import FrozenCopies
+
+    copies, w, made = FrozenCopies(), torch.randn(8, 4), []
+
+    def pack() -> torch.Tensor:
+        made.append(1)
+        return w * 2
+
+    a = copies.get("double", [w], pack)
+    assert copies.get("double", [w], pack) is a and len(made) == 1
+    twice = copies.get("again", [a], lambda a=a: a * 2)
+    del a
+    assert len(copies) == 1  # "double" died; "again" lives
+    a2 = copies.get("double", [w], pack)
+    assert len(made) == 2
+    assert copies.get("again", [a2], lambda: a2 * 3) is twice  # same recipe: found again
+    assert torch.equal(twice, w * 4)
+
+
 def test_where_the_kernel_cannot_be_built_mkl_serves_and_the_reason_is_logged(monkeypatch, caplog) -> None:
     """No C++ compiler (the build raises): a warning says why and what serves instead,
     the frozen products go to MKL, and results equal eager's."""

@@ -45,6 +45,7 @@ from ._torch import (
 )
 from .bundle import GraphgearOutputCode, bundled_compiler
 from .capture import MemoryPool
+from .compilers.frozen import FrozenCopies
 from .compilers.inductor import inductor_decompositions
 from .config import CompilerConfig, apply_options, mode_of
 from .errors import ConfigError, GraphgearError
@@ -195,6 +196,9 @@ class GraphgearBackend:
         # graph of this backend that names the handle shares one pool (and its liveness)
         self._pools: dict[Any, MemoryPool] = {}
         self._own_pool(self.config)
+        # packed and concatenated copies of frozen weights, shared by every graph and
+        # gear this backend compiles (frozen_parameter)
+        self._frozen_copies = FrozenCopies()
 
     def _own_pool(self, config: CompilerConfig) -> None:
         """Replace a raw device pool handle in ``use_custom_pool`` by this backend's
@@ -266,7 +270,8 @@ class GraphgearBackend:
         if config.debug.graph_dump.type is not None:
             debug.dump_graph(gm, config, "dynamo", "dynamo")
         compiler: Callable[..., Any] = functools.partial(
-            compile_graph, config=config, input_names=inputs.names, boxed=True
+            compile_graph, config=config, input_names=inputs.names, boxed=True,
+            frozen_copies=self._frozen_copies,
         )
         if bundle is not None:
             compiler = bundled_compiler(compiler, config, bundle)

@@ -43,6 +43,7 @@ def compile_graph(
     static_inputs: Sequence[int] | None = None,
     boxed: bool = False,
     artifacts: ArtifactStore | None = None,
+    frozen_copies: Any = None,
 ) -> Callable[..., Any]:
     """Run graphgear's passes on an aten-level graph and compile it in the config's mode.
 
@@ -50,6 +51,8 @@ def compile_graph(
     ``fn(list_of_args)`` (which lets the callee free inputs early). ``artifacts`` (the
     compile cache): the graph after the passes, and each key's compiled code, are kept
     in it; :func:`rebuild_graph` builds the same callable from it in a later process.
+    ``frozen_copies`` (:class:`~graphgear.compilers.frozen.FrozenCopies`): the copies of
+    frozen weights this graph shares with the backend's other graphs.
     """
     mode = mode_of(config)
     record = new_record(stage, mode)
@@ -74,6 +77,7 @@ def compile_graph(
         static_inputs=static,
         mutated_inputs=mutated_placeholders(gm),
         artifacts=artifacts,
+        frozen_copies=frozen_copies,
     )
     if artifacts is not None:
         artifacts.keep_graph(gm, example_inputs, {

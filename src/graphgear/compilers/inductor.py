@@ -45,6 +45,7 @@ from ..artifacts import KeyArtifact, strip_cache_tag
 from ..context import CompileContext
 from ..passes import PASSES_VERSION
 from ..passes.ops import inductor_fused_op_decompositions, inline_decompositions, register_inductor_lowering
+from .frozen import FrozenCopies
 from .mkl_pack import group_frozen_products, pack_frozen_linears, pack_frozen_small
 from .small_linear import route_small_products
 
@@ -189,7 +190,7 @@ CPP_WRAPPER_MIN_EXTERN_CALLS = 4
 
 def compile_static(
     gm: fx.GraphModule, args: Sequence[Any], *, stage: str, static_idx: Sequence[int],
-    frozen: bool = False,
+    frozen: bool = False, copies: FrozenCopies | None = None,
 ) -> Callable[[list[Any]], Any]:
     """Inductor-compile a static-shape graph for a device graph to capture (the CPU
     graph records its allocations; a CUDA graph captures its kernels); boxed callable.
@@ -238,12 +239,12 @@ def compile_static(
         fakes = [fakes[i] for i in keep]
         static = [keep.index(i) for i in static if i in keep]
         # frozen is CPU-only; it packs CPU fp32 weights only
-        group_frozen_products(dgm)
-        pack_frozen_small(dgm)
+        group_frozen_products(dgm, copies=copies)
+        pack_frozen_small(dgm, copies)
         # graphgear's kernels (its product, its decode attention) are Python-level extern
         # kernels (the CPU graph calls them directly): the C++ wrapper is for graphs of
         # MKL's products only
-        mkl_products = pack_frozen_linears(dgm)
+        mkl_products = pack_frozen_linears(dgm, copies=copies)
         # one-row products too wide for Inductor's decomposition (and any small-M product
         # left): graphgear's row-major product on the frozen weight itself, no packed copy
         route_small_products(dgm)
@@ -253,6 +254,7 @@ def compile_static(
         # them are graphgear's products already)
         if _rows_left(dgm) > 1:
             patches.update(max_autotune=True, max_autotune_gemm_backends="CPP")
+        _drop_unused_constants(dgm)
         # the weights (and their packed copies) are constants now: Inductor's cache keys
         # them by shape, not by value, and takes their values from this module
         inductor_mark_frozen(dgm, [n for n, _ in dgm.named_buffers() if n.startswith("_graphgear_")])
@@ -269,6 +271,15 @@ def compile_static(
     if len(keep) == len(args):
         return compiled
     return inductor_drop_args(compiled, keep)
+
+
+def _drop_unused_constants(gm: fx.GraphModule) -> None:
+    """Delete the constants graphgear made that no node reads any more (a concatenated
+    weight once packed): Inductor's code for frozen constants keeps ``gm`` alive, and with
+    it every tensor attribute."""
+    used = {str(n.target) for n in gm.graph.find_nodes(op="get_attr")}
+    for name in [n for n, _ in gm.named_buffers() if n.startswith("_graphgear_") and n not in used]:
+        delattr(gm, name)
 
 
 def _rows_left(gm: fx.GraphModule) -> int:

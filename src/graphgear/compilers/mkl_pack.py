@@ -37,6 +37,7 @@ import torch
 from torch import fx
 
 from ..kernels import small_gemm
+from .frozen import FrozenCopies, copy_of
 
 log = logging.getLogger(__name__)
 
@@ -114,10 +115,12 @@ def _frozen_product(gm: fx.GraphModule, node: fx.Node, min_rows: int,
     return x, w_node, bias
 
 
-def pack_frozen_linears(gm: fx.GraphModule, *, min_rows: int = MIN_ROWS, max_rows: int = MAX_ROWS) -> int:
+def pack_frozen_linears(gm: fx.GraphModule, *, min_rows: int = MIN_ROWS, max_rows: int = MAX_ROWS,
+                        copies: FrozenCopies | None = None) -> int:
     """Rewrite ``gm``'s small-M products with frozen weights to MKL's packed GEMM (see
     the module docstring); returns how many were rewritten. ``gm``'s nodes need their
-    ``val`` metadata (fake tensors of static shapes)."""
+    ``val`` metadata (fake tensors of static shapes). ``copies``: the packed weights
+    are made there once for all the graph's gears."""
     if not mkl_packing_available():
         return 0
     g = gm.graph
@@ -134,8 +137,8 @@ def pack_frozen_linears(gm: fx.GraphModule, *, min_rows: int = MIN_ROWS, max_row
         name = packed.get((str(w_node.target), rows))
         if name is None:
             name = f"_graphgear_mkl_packed_{len(packed)}"
-            with torch.no_grad():
-                gm.register_buffer(name, torch.ops.mkl._mkl_reorder_linear_weight(w, rows))
+            gm.register_buffer(name, copy_of(copies, "mkl", [w], lambda w=w, rows=rows:
+                                             torch.ops.mkl._mkl_reorder_linear_weight(w, rows), extra=(rows,)))
             packed[(str(w_node.target), rows)] = name
         with g.inserting_before(node):
             p_node = g.get_attr(name)
@@ -151,7 +154,7 @@ def pack_frozen_linears(gm: fx.GraphModule, *, min_rows: int = MIN_ROWS, max_row
     return count
 
 
-def pack_frozen_small(gm: fx.GraphModule) -> int:
+def pack_frozen_small(gm: fx.GraphModule, copies: FrozenCopies | None = None) -> int:
     """Rewrite ``gm``'s products with frozen weights of :data:`small_gemm.MIN_ROWS` to
     :data:`small_gemm.MAX_ROWS` rows to graphgear's own packed product
     (``graphgear::packed_linear``, :mod:`graphgear.kernels.small_gemm`); returns how
@@ -179,14 +182,14 @@ def pack_frozen_small(gm: fx.GraphModule) -> int:
         name = packed.get(str(w_node.target))
         if name is None:
             name = f"_graphgear_small_packed_{len(packed)}"
-            gm.register_buffer(name, small_gemm.pack_weight(w.detach()))
+            gm.register_buffer(name, copy_of(copies, "small", [w], lambda w=w: small_gemm.pack_weight(w.detach())))
             packed[str(w_node.target)] = name
         b_node = None
         if bias is not None:
             b = _constant(gm, bias)
             assert b is not None
             b_name = f"{name}_bias_{node.name}"
-            gm.register_buffer(b_name, small_gemm.pack_bias(b.detach()))
+            gm.register_buffer(b_name, copy_of(copies, "small bias", [b], lambda b=b: small_gemm.pack_bias(b.detach())))
         with g.inserting_before(node):
             p_node = g.get_attr(name)
             if bias is not None:
@@ -213,7 +216,8 @@ def _rows_source(x: fx.Node) -> object:
     return x
 
 
-def group_frozen_products(gm: fx.GraphModule, *, min_rows: int = MIN_ROWS, max_rows: int = MAX_ROWS) -> int:
+def group_frozen_products(gm: fx.GraphModule, *, min_rows: int = MIN_ROWS, max_rows: int = MAX_ROWS,
+                          copies: FrozenCopies | None = None) -> int:
     """Rewrite products that multiply the same rows by different frozen weights (a
     decoder layer's query, key and value projections; its gate and up projections) into
     one product over the weights concatenated, followed by a slice per product; returns
@@ -242,10 +246,10 @@ def group_frozen_products(gm: fx.GraphModule, *, min_rows: int = MIN_ROWS, max_r
         first, x = members[0][0], members[0][1]  # graph order: the first product's rows
         weights = [_constant(gm, w) for _, _, w, _ in members]
         name = f"_graphgear_grouped_weight_{made}"
-        with torch.no_grad():
-            gm.register_buffer(name, torch.cat(weights).contiguous())
-            if has_bias:
-                gm.register_buffer(f"{name}_bias", torch.cat([_constant(gm, b) for *_, b in members]))
+        gm.register_buffer(name, copy_of(copies, "concat", weights, lambda ws=weights: torch.cat(ws).contiguous()))
+        if has_bias:
+            biases = [_constant(gm, b) for *_, b in members]
+            gm.register_buffer(f"{name}_bias", copy_of(copies, "concat", biases, lambda bs=biases: torch.cat(bs)))
         xv = x.meta["val"]
         total = sum(w.shape[0] for w in weights)
         with g.inserting_before(first):

@@ -23,6 +23,7 @@ from ..capture import CaptureEngine, UncapturedGraph, find_uncapturable, graph_d
 from ..capture.rules import warn
 from ..context import CompileContext
 from ..errors import CaptureError
+from .frozen import FrozenCopies
 from .inductor import compile_static
 
 log = logging.getLogger(__name__)
@@ -68,7 +69,10 @@ def compile_reduce_overhead(
     # GEMM template (small-M matrix products at batch 2 to 8); the CPU graph only
     frozen = (ctx.config.experimental_config.frozen_parameter and ctx.stage == "inference"
               and device.type == "cpu")
-    native: Callable[..., Any] = functools.partial(compile_static, frozen=frozen)
+    if frozen and ctx.frozen_copies is None:
+        ctx.frozen_copies = FrozenCopies()
+    native: Callable[..., Any] = functools.partial(compile_static, frozen=frozen,
+                                                   copies=ctx.frozen_copies if frozen else None)
     if ctx.artifacts is not None and key is not None and not frozen:  # frozen code holds the weights
         native = ctx.artifacts.recording(key, native)
     return CaptureEngine(gm, example_inputs, ctx, device, compile_static=native)
