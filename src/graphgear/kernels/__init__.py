@@ -5,7 +5,8 @@ kernels writing into buffers Inductor allocates (so the graph stays straight-lin
 the CPU graph replays as kernel calls).
 
 * :mod:`.small_gemm`: the product of 2 to 16 rows by a frozen weight (decode batches);
-* :mod:`.small_linear`: the same for a weight that is not frozen, read as it lies;
+* :mod:`.small_linear`: the same for a weight that is not frozen, read as it lies, and
+  one row by a weight too wide for Inductor's one-row decomposition;
 * :mod:`.decode_attention`: one-query attention over a KV cache that reads only the
   keys its mask lets through.
 
