@@ -234,6 +234,17 @@ def test_hf_options_work_unchanged() -> None:
         assert torch.equal(model.generate(ids, do_sample=False, compile_config=cc, **_gen_kw()), want)
     g = _graphs()[-1]
     assert (g.captures, g.uncaptured_runs) == (1, 0)  # warmup_iters=0: captured on the first call
+    # a backend object (HF deep-copies its CompileConfig, the backend with it)
+    graphgear.reset()
+    model, ref = _pair(hidden=64, layers=2, vocab=256)
+    cfg = graphgear.CompilerConfig()
+    cfg.mode = "reduce-overhead"
+    cfg.experimental_config.frozen_parameter = True
+    cc = CompileConfig(backend=graphgear.get_backend(cfg), mode=None, fullgraph=True)
+    cc._compile_all_devices = True
+    for _ in range(2):
+        assert torch.equal(model.generate(ids, do_sample=False, compile_config=cc, **_gen_kw()), want)
+    assert [(g.mode, g.captures) for g in _graphs()] == [("reduce-overhead", 1)]
     # a misspelt option fails with the name, the known options and nothing generated
     graphgear.reset()
     model, _ = _pair(hidden=64, layers=2, vocab=256)

@@ -177,6 +177,25 @@ def test_served_batch_sizes_share_one_packed_copy_of_each_weight() -> None:
     assert all(h == held[0] for h in held), held
 
 
+def test_a_copied_backend_serves_with_a_store_of_its_own() -> None:
+    """transformers deep-copies its ``CompileConfig``, a backend object included, before
+    ``torch.compile``: a backend copies (the store of frozen copies is a cache, so the
+    copy starts an empty one) and the copy compiles and serves right."""
+    import copy
+
+    _built()
+    torch.manual_seed(0)
+    net = _mlp()
+    backend = graphgear.get_backend(make_config("reduce-overhead", warmup_iters=0, frozen_parameter=True))
+    twin = copy.deepcopy(backend)
+    assert twin._frozen_copies is not backend._frozen_copies and len(twin._frozen_copies) == 0
+    f = torch.compile(net, backend=twin)
+    with torch.no_grad():
+        x = torch.randn(4, 24)
+        assert_close(f(x), net(x), reduction=40)
+    assert len(twin._frozen_copies) > 0 and len(backend._frozen_copies) == 0
+
+
 def test_frozen_copies_live_as_long_as_a_gear_holds_them() -> None:
     """The store holds copies weakly: a copy no compiled code holds is made again; a
     copy of a copy is found again by how it was made, though made anew."""

@@ -80,6 +80,14 @@ class FrozenCopies:
             self._made_from[id(value)] = key
         return value
 
+    def __copy__(self) -> FrozenCopies:
+        return FrozenCopies()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> FrozenCopies:
+        # a copied backend (transformers deep-copies its CompileConfig, backend included,
+        # before torch.compile) starts a store of its own: the copies are a cache
+        return FrozenCopies()
+
     def __len__(self) -> int:
         with self._lock:
             return sum(1 for ref, _ in self._made.values() if ref() is not None)
