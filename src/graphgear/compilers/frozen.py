@@ -5,9 +5,10 @@ and makes copies of them: the concatenation of the products that share their row
 (:func:`~.mkl_pack.group_frozen_products`) and the packed layout of each product
 (:func:`~.mkl_pack.pack_frozen_small`, :func:`~.mkl_pack.pack_frozen_linears`). A
 copy depends on the weights only (MKL's packing also on the row count), so the gears
-of one graph can hold the same one: :class:`FrozenCopies` (the reduce-overhead
-compiler keeps one on the graph's compile context) gives a gear the copy an earlier
-gear made instead of making another.
+and graphs of one model can hold the same one: :class:`FrozenCopies` (each
+``GraphgearBackend`` holds one and hands it to every graph it compiles, through the
+compile context; a graph compiled without a backend gets its own) gives a gear the copy
+an earlier gear made instead of making another.
 
 A weight is known by its memory (storage address, offset, shape, strides, dtype), a
 copy the store made by how it was made (so a packed concatenation is found again
@@ -36,7 +37,7 @@ def _where(t: torch.Tensor) -> tuple[Any, ...]:
 
 
 class FrozenCopies:
-    """Copies of frozen weights made once per graph: ``get(kind, sources, make)``."""
+    """Copies of frozen weights made once per store: ``get(kind, sources, make)``."""
 
     def __init__(self) -> None:
         # key -> (the copy, weakly; the sources known by address, held)

@@ -14,8 +14,10 @@ their neighbours. Measured in bench_decode's large Qwen2 (hidden 1024, MLP 2816,
 8192; batch 1, same run, 2026-12-03, routed / not, ratio to ``torch.compile``):
 max-autotune 0.93 / 1.03 at 1 thread, 0.73 / 1.08 at 2; reduce-overhead 0.84 / 0.94
 and 0.61 / 0.96. The weight is read as it is on every call: a parameter changed in
-place is seen. Frozen graphs pack their weights instead (:mod:`.mkl_pack`). Nothing is
-rewritten where the kernel cannot be built here.
+place is seen. Frozen graphs pack the weights of their 2-to-64-row products instead
+(:mod:`.mkl_pack`); their wide one-row products come here too, reading the frozen
+weight (``compile_static``). Nothing is rewritten where the kernel cannot be built
+here.
 """
 
 from __future__ import annotations
