@@ -177,6 +177,48 @@ def test_served_batch_sizes_share_one_packed_copy_of_each_weight() -> None:
     assert all(h == held[0] for h in held), held
 
 
+@pytest.mark.parametrize("rows", [2, 8, 16, 17])
+def test_frozen_weights_past_the_cache_stream_as_they_lie_with_no_copy(monkeypatch, rows) -> None:
+    """Where a frozen graph's small-M products read more weight bytes than the CPU's
+    last-level cache holds (here: a cache of 1 KiB), their 2 to 16 rows go to
+    graphgear's row-major product on the frozen weights themselves: nothing grouped,
+    nothing packed, no copy held. Past 16 rows MKL's packing takes them as before.
+    Results equal eager's at every step."""
+    import graphgear.compilers.mkl_pack as mkl_pack
+    from graphgear.kernels import small_linear
+
+    assert small_linear.kernel() is not None, "graphgear's row-major product did not build here"
+    if not torch.backends.mkl.is_available():
+        pytest.skip("this torch has no MKL")
+    monkeypatch.setattr(mkl_pack, "last_level_cache_bytes", lambda: 1024)
+    seen = ops_compiled(monkeypatch, torch.ops.graphgear.packed_linear.default, torch.ops.mkl._mkl_linear.default,
+                        torch.ops.graphgear.small_linear.default)
+    torch.manual_seed(0)
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q, self.k, self.v = nn.Linear(64, 64), nn.Linear(64, 32), nn.Linear(64, 32)
+            self.out = nn.Linear(128, 24, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.out(torch.cat([self.q(x), self.k(x), self.v(x)], -1).relu())
+
+    net = Block().eval()
+    backend = graphgear.get_backend(make_config("reduce-overhead", warmup_iters=0, frozen_parameter=True))
+    f = torch.compile(net, backend=backend)
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(rows, 64)
+            assert_close(f(x), net(x), reduction=128, what=f"{rows} rows")
+    if rows <= 16:
+        assert seen == [(0, 0, 4)], seen
+        assert backend._frozen_copies.nbytes() == 0, len(backend._frozen_copies)
+    else:  # q/k/v grouped into one MKL product, the output's its own
+        assert seen == [(0, 2, 0)], seen
+        assert backend._frozen_copies.nbytes() > 0
+
+
 def test_a_copied_backend_serves_with_a_store_of_its_own() -> None:
     """transformers deep-copies its ``CompileConfig``, a backend object included, before
     ``torch.compile``: a backend copies (the store of frozen copies is a cache, so the
@@ -249,18 +291,25 @@ def test_unfrozen_products_are_left_to_inductor(monkeypatch) -> None:
 
 @pytest.mark.slow
 @torch.no_grad()
-@pytest.mark.parametrize("batch", [4, 1])
-def test_served_transformers_decoder_equals_eager_with_graphgears_products(monkeypatch, batch: int) -> None:
+@pytest.mark.parametrize(("batch", "streamed"), [(4, False), (1, False), (4, True)])
+def test_served_transformers_decoder_equals_eager_with_graphgears_products(monkeypatch, batch: int,
+                                                                         streamed: bool) -> None:
     """A served transformers Qwen2 (grouped-query attention, biased q/k/v projections)
     at batch 4, and at batch 1 with a vocabulary too wide for Inductor's one-row
     decomposition: its products are graphgear's (at batch 1 the vocabulary's, by the
     row-major product on the frozen weight, unpacked), its step replays as kernel calls,
-    and logits and the KV cache equal eager's at every step."""
+    and logits and the KV cache equal eager's at every step. ``streamed``: its weights
+    outgrow the last-level cache (patched to 1 KiB), so at batch 4 they are read
+    unpacked by the row-major product too."""
     _built()
     from transformers import StaticCache
 
+    import graphgear.compilers.mkl_pack as mkl_pack
     from graphgear._torch import inductor_one_row_decompose_limit
     from graphgear.kernels import small_linear
+
+    if streamed:
+        monkeypatch.setattr(mkl_pack, "last_level_cache_bytes", lambda: 1024)
 
     seen = ops_compiled(monkeypatch, torch.ops.graphgear.packed_linear.default, torch.ops.mkl._mkl_linear.default,
                         torch.ops.graphgear.small_linear.default)
@@ -279,10 +328,11 @@ def test_served_transformers_decoder_equals_eager_with_graphgears_products(monke
             assert_close(layer.values, ref_layer.values, reduction=64, what="values")
         tok, ref_tok = out[:, -1:].argmax(-1), want[:, -1:].argmax(-1)
     packed, mkl, row_major = seen[-1]
-    assert (packed > 0, mkl, row_major > 0) == ((True, 0, False) if batch > 1 else (False, 0, True)), seen
+    packs = batch > 1 and not streamed
+    assert (packed > 0, mkl, row_major > 0) == (packs, 0, not packs), seen
     graphs = [e.graph for o in gc.get_objects() if type(o) is CaptureEngine
               for e in o.entries.values() if e.graph is not None and e.graph.program is not None]
-    want = small_gemm.kernel() if batch > 1 else small_linear.kernel()
+    want = small_gemm.kernel() if packs else small_linear.kernel()
     assert any(c[0] is want for g in graphs for c in g.program.calls)
 
 

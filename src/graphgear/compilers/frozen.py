@@ -94,10 +94,12 @@ class FrozenCopies:
             return sum(1 for ref, _ in self._made.values() if ref() is not None)
 
     def nbytes(self) -> int:
-        """Bytes held in live copies."""
+        """Bytes held in live copies (an MKL-packed weight, an opaque tensor with no
+        storage to ask: the size MKL asked for)."""
         with self._lock:
             alive = [ref() for ref, _ in self._made.values()]
-        return sum(v.untyped_storage().nbytes() for v in alive if v is not None)
+        return sum(v.numel() * v.element_size() if v.is_mkldnn else v.untyped_storage().nbytes()
+                   for v in alive if v is not None)
 
 
 def copy_of(copies: FrozenCopies | None, kind: str, sources: Sequence[torch.Tensor],

@@ -46,7 +46,8 @@ from ..context import CompileContext
 from ..passes import PASSES_VERSION
 from ..passes.ops import inductor_fused_op_decompositions, inline_decompositions, register_inductor_lowering
 from .frozen import FrozenCopies
-from .mkl_pack import group_frozen_products, pack_frozen_linears, pack_frozen_small
+from .mkl_pack import MIN_ROWS as MKL_MIN_ROWS
+from .mkl_pack import group_frozen_products, pack_frozen_linears, pack_frozen_small, small_products_stream
 from .small_linear import route_small_products
 
 log = logging.getLogger(__name__)
@@ -206,7 +207,10 @@ def compile_static(
 
     On the CPU, products of 2 to 16 rows with a frozen weight go to graphgear's own
     small-batch product (:mod:`graphgear.kernels.small_gemm`, packed once here; an extern kernel writing
-    ``out=``, so the code stays straight-line), those of up to 64 rows (or where that
+    ``out=``, so the code stays straight-line; where the graph's weights of such products
+    outgrow the last-level cache, :func:`~.mkl_pack.small_products_stream`, to graphgear's
+    row-major product on the frozen weights themselves instead: no grouped or packed
+    copy), those of up to 64 rows (or where that
     kernel cannot be built) to MKL's packed GEMM (:mod:`.mkl_pack`; products of the same
     rows grouped into one first); one-row products are Inductor's decomposed
     reductions (``decompose_mm_pass``), except those with a weight too wide for it, which
@@ -238,13 +242,18 @@ def compile_static(
         keep = _freeze_inputs(dgm, args, params)
         fakes = [fakes[i] for i in keep]
         static = [keep.index(i) for i in static if i in keep]
-        # frozen is CPU-only; it packs CPU fp32 weights only
-        group_frozen_products(dgm, copies=copies)
-        pack_frozen_small(dgm, copies)
+        # frozen is CPU-only; it packs CPU fp32 weights only. Weights past the cache are
+        # read from memory every step: their small-M products stream them as they lie
+        # (graphgear's row-major product below), with no packed or grouped copy
+        stream = kernels.small_linear.kernel() is not None and small_products_stream(dgm)
+        packed_from = kernels.small_linear.MAX_ROWS + 1 if stream else MKL_MIN_ROWS
+        group_frozen_products(dgm, min_rows=packed_from, copies=copies)
+        if not stream:
+            pack_frozen_small(dgm, copies)
         # graphgear's kernels (its product, its decode attention) are Python-level extern
         # kernels (the CPU graph calls them directly): the C++ wrapper is for graphs of
         # MKL's products only
-        mkl_products = pack_frozen_linears(dgm, copies=copies)
+        mkl_products = pack_frozen_linears(dgm, min_rows=packed_from, copies=copies)
         # one-row products too wide for Inductor's decomposition (and any small-M product
         # left): graphgear's row-major product on the frozen weight itself, no packed copy
         route_small_products(dgm)
