@@ -6,6 +6,7 @@ hit after the first; ``_ro`` builds a reduce-overhead backend with capture optio
 
 from __future__ import annotations
 
+import gc
 import warnings
 
 import pytest
@@ -15,7 +16,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import graphgear
 from graphgear.capture import CaptureEngine, MemoryPool, find_uncapturable
-from tests.helpers import assert_close
+from tests.helpers import assert_close, make_config
 from tests.helpers import last_record as _rec
 from tests.helpers import make_backend as _ro
 from tests.models import Net
@@ -638,7 +639,7 @@ def test_frozen_parameters_are_packed_constants_and_match_eager(batch: int) -> N
         assert_close(out, want, reduction=64)
         tok, ref_tok = out[:, -1:].argmax(-1), want[:, -1:].argmax(-1)
     (eng,) = [e for e in _engines() if e.entries]
-    ex = eng._executor
+    ((_, ex),) = eng._executors.values()
     assert ex.native and hasattr(ex.run, "__wrapped__")  # weights are constants: args dropped
     r = _rec()
     assert (r.captures, r.fallbacks) == (1, [])
@@ -675,6 +676,66 @@ def test_frozen_weights_are_keyed_by_shape_and_each_model_keeps_its_own(batch: i
         y = torch.randn(batch, 16)
         assert_close(fa(y), a(y), reduction=2100, what="first model, after the second")
         assert_close(fb(y), b(y), reduction=2100, what="second model, after the first")
+
+
+class _Scaled(nn.Module):
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.lin = nn.Linear(16, 2100)
+        self.out = nn.Linear(2100, 8)
+        self.scale = nn.Parameter(torch.tensor(float(seed + 1)))  # a learnt scale: 0-d
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.lin(x).relu()) * self.scale
+
+
+@torch.no_grad()
+def test_frozen_scalar_parameters_stay_each_models_own() -> None:
+    """Inductor writes a 0-d constant's value into the generated code; a second served
+    model of the same shapes must not be served the first one's code from Inductor's
+    cache (which keys frozen weights by shape) with the first one's scale."""
+    class Scaled(nn.Module):
+        def __init__(self, scale: float) -> None:
+            super().__init__()
+            self.lin = nn.Linear(32, 32)
+            self.scale = nn.Parameter(torch.tensor(scale))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x) * self.scale
+
+    a, b = Scaled(1.0).eval(), Scaled(2.0).eval()
+    fa, fb = graphgear.inference.serve(a), graphgear.inference.serve(b)
+    x = torch.randn(2, 32)
+    for _ in range(3):
+        assert_close(fa(x), a(x), reduction=32, what="first model")
+    for _ in range(3):
+        assert_close(fb(x), b(x), reduction=32, what="second model")
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("rows", [1, 4])
+def test_two_models_of_one_class_on_one_frozen_backend_each_use_their_own_weights(rows: int) -> None:
+    """Two instances of one model class compiled with ONE backend object share dynamo's
+    graph (their parameters are its inputs). With ``frozen_parameter`` the compiled code
+    holds the weights and parameter addresses are left out of the key; each model still
+    gets captures and compiled code of its own (they are told apart by which parameters
+    they pass), and every output is its own model's, in any order of calls."""
+    backend = graphgear.get_backend(make_config("reduce-overhead", warmup_iters=0, frozen_parameter=True))
+    a, b = _Scaled(0).eval(), _Scaled(1).eval()
+    fa, fb = torch.compile(a, backend=backend), torch.compile(b, backend=backend)
+    for _ in range(2):
+        x = torch.randn(rows, 16)
+        assert_close(fa(x), a(x), reduction=2100, what="first model")
+        assert_close(fb(x), b(x), reduction=2100, what="second model")
+        assert_close(fa(x), a(x), reduction=2100, what="first model, after the second")
+    del fb, b
+    gc.collect()
+    c = _Scaled(2).eval()  # a third model: its parameters may reuse the second's ids
+    fc = torch.compile(c, backend=backend)
+    x = torch.randn(rows, 16)
+    assert_close(fc(x), c(x), reduction=2100, what="third model")
+    assert_close(fa(x), a(x), reduction=2100, what="first model, after the third")
 
 
 def test_frozen_small_m_products_are_packed_for_mkl_and_equal_eager() -> None:

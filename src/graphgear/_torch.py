@@ -734,6 +734,12 @@ def inductor_mark_frozen(gm: torch.fx.GraphModule, names: Sequence[str]) -> None
     model of the same shapes, or a later process) takes them from ``gm``
     (``CompiledFxGraphConstantsWithGm``).
 
+    A 0-d constant is left unmarked: Inductor writes its value into the generated code
+    (``GraphLowering.get_attr``: ``Constant(value.item())``) while the cache would key a
+    marked one by metadata only (``can_inline_constant`` says False for 0-d), so another
+    model's scalar (a learnt temperature, a scale) would be served from the code of the
+    first; unmarked, it is hashed by value.
+
     ``torch._inductor.freezing_utils`` (``record_has_frozen_params``, the tensor
     attribute ``_is_frozen_param``): 2.13, in 2.11 to 2.14. If it moved, nothing is
     marked: constants are hashed by value (slow for large weights, still right)."""
@@ -743,6 +749,8 @@ def inductor_mark_frozen(gm: torch.fx.GraphModule, names: Sequence[str]) -> None
         return
     for name in names:
         t = getattr(gm, name)
+        if t.dim() == 0:
+            continue
         t._is_frozen_param = True  # type: ignore[attr-defined]
     record_has_frozen_params(gm)
 

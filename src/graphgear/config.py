@@ -227,8 +227,8 @@ class ExperimentalConfig(_Section):
     fx_passes = Option(False, "joint-graph fusion passes (RMSNorm, rotary, attention)", choices=_BOOL)
     keep_inference_input_mutations = Option(True, "in-place updates of inputs stay in the graph",
                                             choices=_BOOL)
-    frozen_parameter = Option(False, "parameter addresses are fixed: left out of the graph key",
-                              choices=_BOOL)
+    frozen_parameter = Option(False, "parameter addresses are fixed: left out of the graph key "
+                              "(each model's parameters still get captures of their own)", choices=_BOOL)
     remove_noop_ops = Option(True, "remove no-op ops (identity views, x+0, x*1, clones)",
                              choices=_BOOL)
     pattern_fusion_pass = Option(True, "built-in pattern passes and registered replacements",

@@ -4,8 +4,11 @@ One :class:`CaptureEngine` serves one static FX graph (the backend hands over on
 graph key: a static graph as it is, a dynamic graph specialised per key). It owns the
 captured graphs of that graph and applies the rules of DESIGN.md:
 
-* **key**: the graph key (fixed per engine) plus, unless ``frozen_parameter``, the
-  addresses of the static inputs: a parameter that moved gets a capture of its own.
+* **key**: the graph key (fixed per engine) plus the addresses of the static inputs: a
+  parameter that moved gets a capture of its own. With ``frozen_parameter`` addresses
+  are promised fixed and left out; the key holds which tensors the static inputs are
+  instead (two instances of one model class share dynamo's graph: each gets captures,
+  and where the code holds the weights' values, compiled code of its own).
 * **static inputs** (parameters, buffers, ``mark_static_address``) are bound at capture
   and never copied. **Mutated inputs** (KV caches) are used in place, never copied. When
   one moves (a new cache), the CPU graph rebinds it (no new record, no compile); a CUDA
@@ -38,7 +41,8 @@ captured graphs of that graph and applies the rules of DESIGN.md:
 The device graph itself (CPU, CUDA, NPU) is a small class with ``capture(args)``,
 ``replay()``, ``release()``, ``nbytes``, ``args`` (the bound inputs), and the flags
 ``runs_at_capture``, ``rebindable`` and ``released``; the compiled code it runs (its
-executor) is made once per engine.
+executor) is made once per engine, or, where it holds the static inputs' values
+(``frozen`` code), once per set of static inputs.
 
 **reset from another thread** (``graphgear.reset()`` while a thread is inside a call):
 the call completes correctly. A replay whose graph was released before it ran runs the
@@ -53,6 +57,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import operator
 import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -144,6 +149,23 @@ class _Entry:
     handouts: list[Any] = dataclasses.field(default_factory=list)
     bound_refs: list[StorageWeakRef] = dataclasses.field(default_factory=list)
     recapture: bool = False  # a key seen before with inputs used in place elsewhere
+    # frozen_parameter: the static inputs the key names by identity, held so that their
+    # ids stay theirs while the capture lives
+    statics: tuple[Any, ...] = ()
+
+
+def _data_ptr(t: torch.Tensor) -> int:
+    return t.data_ptr()
+
+
+def _getter(idx: Sequence[int]) -> Any:
+    """``args -> tuple(args[i] for i in idx)``, in C."""
+    if not idx:
+        return lambda args: ()
+    if len(idx) == 1:
+        i = idx[0]
+        return lambda args: (args[i],)
+    return operator.itemgetter(*idx)
 
 
 @boxed_convention
@@ -153,9 +175,11 @@ class CaptureEngine:
 
     def __init__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: CompileContext,
                  device: torch.device, compile_static: StaticCompiler | None = None,
-                 native_warmup: bool = False) -> None:
+                 native_warmup: bool = False, frozen: bool = False) -> None:
         self.gm = gm
         self.compile_static = compile_static
+        # ``compile_static`` makes the static inputs constants of its code: one per set
+        self.frozen = frozen
         # the compile cache's loaded code on the CPU (``gm`` may be the dynamic graph):
         # a warm-up inside precompile_gears, whose outputs are dropped and whose input
         # writes are undone, is skipped (the code's first run is then the capture, as in
@@ -182,13 +206,16 @@ class CaptureEngine:
         self.copy_idx = others if cc.clone_input else []
         # inputs used in place (their address is part of the capture)
         self.tracked_idx = self.mutated_idx + ([] if cc.clone_input else others)
-        self.key_idx = [] if ctx.config.experimental_config.frozen_parameter else self.static_idx
+        # frozen_parameter: static inputs keyed by which tensors they are (their addresses
+        # are promised fixed), else by address
+        self.key_by_identity = ctx.config.experimental_config.frozen_parameter
+        self._statics = _getter(self.static_idx)
         self.scalar_idx = [i for i in range(n) if i not in tensors]
         self.rebindable = device.type == "cpu"
         self.collectives = find_collectives(gm)
         self.clone_output = cc.clone_output or ctx.stage in ("forward", "backward")
         self.entries: dict[tuple[Any, ...], _Entry] = {}
-        self._executor: Any = None
+        self._executors: dict[tuple[int, ...], tuple[tuple[Any, ...], Any]] = {}
         self._staging: dict[tuple[int, int], torch.Tensor] = {}
         self._lock = threading.RLock()
         self._safe_warned = False
@@ -198,9 +225,11 @@ class CaptureEngine:
         register_release(self)
 
     # ---- keys and entries ------------------------------------------------------------
+    def _static_key(self, args: Sequence[Any]) -> tuple[int, ...]:
+        return tuple(map(id if self.key_by_identity else _data_ptr, self._statics(args)))
+
     def _key(self, args: Sequence[Any]) -> tuple[Any, ...]:
-        key = (threading.get_ident(),
-               tuple(args[i].data_ptr() for i in self.key_idx) if self.key_idx else (),
+        key = (threading.get_ident(), self._static_key(args),
                tuple(args[i] for i in self.scalar_idx) if self.scalar_idx else ())
         if not self.rebindable:
             key += (tuple(args[i].data_ptr() if isinstance(args[i], torch.Tensor) else None
@@ -246,6 +275,8 @@ class CaptureEngine:
         e = self.entries.get(key)
         if e is None:
             e = self._new_entry(key)
+            if self.key_by_identity:
+                e.statics = self._statics(args)
         g = e.graph
         if g is None:
             if e.uncaptured:
@@ -324,12 +355,17 @@ class CaptureEngine:
         return list(self.gm(*args))
 
     def _executor_for(self, args: list[Any]) -> Any:
-        if self._executor is None:
+        which = self._static_key(args) if self.frozen else ()
+        made = self._executors.get(which)
+        if made is None:
             # dynamo's compile lock first, then this engine's (the order dispatch uses)
             with compile_session(), self._lock:
-                if self._executor is None:
-                    self._executor = self._compile(args)
-        return self._executor
+                made = self._executors.get(which)
+                if made is None:
+                    # (with the static inputs it was made for: their ids stay theirs)
+                    made = self._executors[which] = (self._statics(args) if self.frozen else (),
+                                                     self._compile(args))
+        return made[1]
 
     def _device_graph(self, args: list[Any]) -> Any:
         kw = dict(pool=self.pool, name=self.record.name)
@@ -341,7 +377,8 @@ class CaptureEngine:
         return NPUGraph(executor, device=self.device, mutated_idx=self.mutated_idx, **kw)
 
     def _compile(self, args: list[Any]) -> Any:
-        """The code every capture of this graph runs (compiled once per engine)."""
+        """The code the captures of this graph run (compiled once per engine, or per set
+        of static inputs where it holds their values)."""
         kw = dict(stage=self.ctx.stage, static_idx=self.static_idx, name=self.record.name,
                   compile_static=self.compile_static)
         if self.device.type == "cpu":
@@ -371,10 +408,9 @@ class CaptureEngine:
             warn(
                 f"graphgear: {self.record.name} ({self.ctx.stage}) reached "
                 f"capture_config.capture_limit={self.cc.capture_limit} live captured graphs; "
-                f"new graph keys (sizes, threads, addresses of inputs used in place, or parameter "
-                f"addresses) run uncaptured from now on. To capture them, raise capture_limit, "
-                f"limit the sizes with graphgear.set_dim_gears(...), or set "
-                f"experimental_config.frozen_parameter=True if parameters move."
+                f"new graph keys (sizes, threads, addresses of inputs used in place, parameter "
+                f"addresses, or models) run uncaptured from now on. To capture them, raise "
+                f"capture_limit, or limit the sizes with graphgear.set_dim_gears(...)."
             )
         return True
 
@@ -511,7 +547,7 @@ class CaptureEngine:
                         self.group.captures -= 1
             self.entries.clear()
             self._staging.clear()
-            self._executor = None
+            self._executors.clear()
         self.pool.release()
         with self.group.lock:
             self.group.captures = max(0, self.group.captures)

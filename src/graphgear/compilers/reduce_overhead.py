@@ -75,4 +75,4 @@ def compile_reduce_overhead(
                                                    copies=ctx.frozen_copies if frozen else None)
     if ctx.artifacts is not None and key is not None and not frozen:  # frozen code holds the weights
         native = ctx.artifacts.recording(key, native)
-    return CaptureEngine(gm, example_inputs, ctx, device, compile_static=native)
+    return CaptureEngine(gm, example_inputs, ctx, device, compile_static=native, frozen=frozen)
