@@ -316,3 +316,83 @@ def test_threads_decode_one_served_transformers_model_each_with_its_cache() -> N
             assert_close(g, w, reduction=128)
         assert_close(keys, want_keys, reduction=64)
     assert f.direct_calls >= 3 * 5
+
+
+class _TwoLayers(torch.nn.Module):
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.a, self.b = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+@pytest.mark.inductor
+@torch.no_grad()
+def test_weights_loaded_into_a_served_model_are_served_at_every_batch_size() -> None:
+    """``load_state_dict`` after serve(): the frozen code holds the old weights (packed
+    copies at 2 to 16 rows, the parameters' own memory at one row), so serving on would
+    mix old and new weights by batch size. The next call compiles the model again:
+    every batch size, those seen before and a new one, computes with the new weights;
+    loading into a submodule counts too."""
+    model = _TwoLayers(0).eval()
+    f = graphgear.inference.serve(model)
+    for rows in (1, 1, 1, 2, 2, 2):
+        x = torch.randn(rows, 64)
+        assert_close(f(x), model(x), reduction=64)
+    model.load_state_dict(_TwoLayers(1).state_dict())
+    for rows in (1, 2, 4, 4, 2, 1):
+        x = torch.randn(rows, 64)
+        assert_close(f(x), model(x), reduction=64, what=f"{rows} rows after load_state_dict")
+    assert f.reserves == 1
+    model.b.load_state_dict(_TwoLayers(2).b.state_dict())
+    for rows in (2, 2, 1):
+        x = torch.randn(rows, 64)
+        assert_close(f(x), model(x), reduction=64, what=f"{rows} rows after a submodule's load")
+    assert f.reserves == 2
+
+
+@pytest.mark.inductor
+@torch.no_grad()
+def test_a_deep_copy_of_a_served_model_serves_the_copy() -> None:
+    """copy.deepcopy of a served model serves a deep copy of the model (its own compile):
+    weights loaded into the copy are the copy's; the original keeps its own, and is not
+    compiled again for the copy's load."""
+    import copy
+
+    model = _TwoLayers(0).eval()
+    f = graphgear.inference.serve(model)
+    x = torch.randn(2, 64)
+    for _ in range(3):
+        f(x)
+    g = copy.deepcopy(f)
+    assert isinstance(g, ServedModel) and g._orig_mod is not model
+    g._orig_mod.load_state_dict(_TwoLayers(1).state_dict())
+    for _ in range(3):
+        assert_close(g(x), g._orig_mod(x), reduction=64, what="the copy")
+        assert_close(f(x), model(x), reduction=64, what="the original")
+    assert f.reserves == 0
+    with pytest.raises(TypeError, match="deep-copy the model and serve the copy"):
+        copy.deepcopy(_served(lambda t: t + 1))
+
+
+@pytest.mark.inductor
+@torch.no_grad()
+def test_frozen_weights_loaded_then_reset_are_seen_at_every_batch_size() -> None:
+    """frozen_parameter through torch.compile (not serve): after load_state_dict and
+    graphgear.reset(), every gear compiles again from the loaded weights; the packed
+    copies made from the old ones are not handed out again (the store knows a weight by
+    its version too)."""
+    from tests.helpers import make_config
+
+    model = _TwoLayers(0).eval()
+    f = torch.compile(model, backend=graphgear.get_backend(make_config(warmup_iters=0, frozen_parameter=True)))
+    for rows in (1, 2, 4):
+        x = torch.randn(rows, 64)
+        assert_close(f(x), model(x), reduction=64)
+    model.load_state_dict(_TwoLayers(1).state_dict())
+    graphgear.reset()
+    for rows in (4, 2, 1, 8):
+        x = torch.randn(rows, 64)
+        assert_close(f(x), model(x), reduction=64, what=f"{rows} rows after load_state_dict and reset")

@@ -23,8 +23,9 @@ graph (see ``graphgear.served``).
 
 Risks (why it is opt-in): after :func:`serve`, changing the model is not seen: a module
 attribute or config field set later, ``model.train()``, a hook added, a parameter
-replaced or updated in place (the CPU graph computes with the packed copy), a global of
-the model's code rebound (a module-level flag of the library, a monkeypatched function). Serve a
+replaced or updated in place other than by ``load_state_dict`` (the CPU graph computes
+with the packed copy; weights loaded by ``load_state_dict`` make the next call compile
+again), a global of the model's code rebound (a module-level flag of the library, a monkeypatched function). Serve a
 model whose code, configuration and weights are final; compile it again (or call
 ``graphgear.reset()``) after changing any of them. Without module guards, dynamo can no
 longer tell two instances of one model class apart: compiled code is shared per code
@@ -89,5 +90,8 @@ def serve(model: Callable[..., Any], config: CompilerConfig | None = None, *, di
     else:
         log.warning("graphgear.inference.serve: this torch has no isolate_recompiles; serve one "
                     "instance per model class in a process (see graphgear.inference).")
-    compiled = torch.compile(model, backend=get_backend(config), options=options, **compile_kwargs)
-    return ServedModel(compiled, model, direct=direct, frozen=True)
+    def compile_again(target: Any) -> Callable[..., Any]:
+        # a backend of its own: new captures and frozen copies of the weights it now has
+        return torch.compile(target, backend=get_backend(config), options=options, **compile_kwargs)
+
+    return ServedModel(compile_again(model), model, direct=direct, frozen=True, compile_again=compile_again)

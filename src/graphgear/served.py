@@ -30,13 +30,21 @@ from ``torch.compile``'s:
 
 ``direct_calls`` and ``dynamo_calls`` count the two paths. Everything else (attributes,
 ``eval()``, ``generate``) is the compiled object's (``torch.compile``'s result).
+
+Weights loaded into the served model (``load_state_dict`` on it or on any of its
+submodules) are new frozen weights: the next call compiles the model again, as
+:func:`graphgear.inference.serve` did (``reserves`` counts it), instead of running code
+that holds some of the old ones. ``copy.deepcopy`` of a served model serves a deep copy
+of the model (its own compile); without the recipe to serve again it raises.
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 import types
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -131,10 +139,36 @@ class ServedModel:
     (``install_free_tensors``): :func:`graphgear._torch.dynamo_served_codegen`."""
 
     def __init__(self, compiled: Callable[..., Any], target: Any, *, direct: bool = True,
-                 frozen: bool = False) -> None:
-        self._compiled = compiled
+                 frozen: bool = False, compile_again: Callable[[Any], Callable[..., Any]] | None = None) -> None:
         self._frozen = frozen
+        self._target = target
         self._module = target if isinstance(target, torch.nn.Module) else None
+        self._wanted_direct = direct
+        # ``compile_again(target)``: a new ``torch.compile`` of ``target`` as this one was
+        # made (weights loaded since, a deep copy); None: neither is possible
+        self._compile_again = compile_again
+        self._weights_loaded = False
+        self.reserves = 0
+        self.direct_calls = 0
+        self.dynamo_calls = 0
+        self._adopt(compiled)
+        if frozen and self._module is not None and compile_again is not None:
+            me = weakref.ref(self)
+            mine = weakref.WeakSet(self._module.modules())
+
+            def loaded(module: torch.nn.Module, incompatible: Any) -> None:
+                served = me()
+                # (a deep copy of the model carries this hook: its loads are not ours)
+                if served is not None and module in mine:
+                    served._weights_loaded = True
+
+            for m in mine:
+                m.register_load_state_dict_post_hook(loaded)
+
+    def _adopt(self, compiled: Callable[..., Any]) -> None:
+        """Serve ``compiled`` (``torch.compile`` of the target)."""
+        target, direct = self._target, self._wanted_direct
+        self._compiled = compiled
         fn, self._prefix = _frame_function(target)
         self._fn = fn
         self._region = dynamo_region(compiled)
@@ -145,14 +179,14 @@ class ServedModel:
         # decode loop runs one entry; dynamo's own most-recently-used order only moves
         # on the calls that go through dynamo)
         self._last: types.CodeType | None = None
-        self.direct_calls = 0
-        self.dynamo_calls = 0
         if direct and self._binder is None:
             log.info("graphgear.served: %r has no direct path (%s); every call goes through dynamo",
                      type(target).__name__,
                      "no Python function to compile" if fn is None else "this torch has no isolate_recompiles")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._weights_loaded:
+            self._serve_again()
         run = self._lookup(args, kwargs)
         if run is None:
             self.dynamo_calls += 1
@@ -209,8 +243,27 @@ class ServedModel:
         self._direct[code] = run
         return run
 
+    def _serve_again(self) -> None:
+        """Weights were loaded into the served model: compile it again (its old code holds
+        the old weights, in part: packed copies and constants)."""
+        assert self._compile_again is not None
+        log.info("graphgear.served: weights were loaded into %s after serve(): compiling it again",
+                 type(self._target).__name__)
+        self._weights_loaded = False
+        self.reserves += 1
+        self._adopt(self._compile_again(self._target))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ServedModel:
+        if self._compile_again is None:
+            raise TypeError(
+                f"graphgear: this ServedModel of {type(self._target).__name__} cannot be deep-copied (it "
+                f"was not made by graphgear.inference.serve); deep-copy the model and serve the copy.")
+        target = copy.deepcopy(self._target, memo)
+        return ServedModel(self._compile_again(target), target, direct=self._wanted_direct, frozen=self._frozen,
+                           compile_again=self._compile_again)
+
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name in ("_compiled", "_module", "_fn"):
+        if name.startswith("__") or name in ("_compiled", "_module", "_fn", "_target", "_compile_again"):
             raise AttributeError(name)
         return getattr(self._compiled, name)
 

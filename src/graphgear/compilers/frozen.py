@@ -10,7 +10,8 @@ and graphs of one model can hold the same one: :class:`FrozenCopies` (each
 compile context; a graph compiled without a backend gets its own) gives a gear the copy
 an earlier gear made instead of making another.
 
-A weight is known by its memory (storage address, offset, shape, strides, dtype), a
+A weight is known by its memory (storage address, offset, shape, strides, dtype) and
+its version counter (a weight loaded in place since is another weight), a
 copy the store made by how it was made (so a packed concatenation is found again
 although each gear concatenates anew). The store holds copies weakly: a copy lives as
 long as some gear's compiled code holds it (a concatenation only packed, not read, dies
@@ -33,7 +34,9 @@ __all__ = ["FrozenCopies", "copy_of"]
 
 
 def _where(t: torch.Tensor) -> tuple[Any, ...]:
-    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+    # with its version: weights loaded in place since (``load_state_dict``) are new weights
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype,
+            t._version)
 
 
 class FrozenCopies:
