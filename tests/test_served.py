@@ -396,3 +396,25 @@ def test_frozen_weights_loaded_then_reset_are_seen_at_every_batch_size() -> None
     for rows in (4, 2, 1, 8):
         x = torch.randn(rows, 64)
         assert_close(f(x), model(x), reduction=64, what=f"{rows} rows after load_state_dict and reset")
+
+
+@pytest.mark.inductor
+@torch.no_grad()
+def test_a_served_model_deleted_and_reset_frees_its_weights() -> None:
+    """The frozen code of every gear holds the weights (and packed copies of them);
+    Inductor keeps each module it loads with constants for the life of the process
+    unless told otherwise. A served model deleted, then graphgear.reset(): nothing
+    holds its weights' memory any more."""
+    import gc
+
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    model = _TwoLayers(0).eval()
+    f = graphgear.inference.serve(model)
+    for rows in (1, 1, 2, 2, 4, 4):
+        f(torch.randn(rows, 64))
+    weights = [StorageWeakRef(p.untyped_storage()) for p in model.parameters()]
+    del f, model
+    graphgear.reset()
+    gc.collect()
+    assert all(w.expired() for w in weights), [w.expired() for w in weights]

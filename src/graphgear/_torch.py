@@ -41,6 +41,7 @@ import dataclasses
 import functools
 import inspect
 import logging
+import sys
 import textwrap
 import types
 from collections.abc import Callable, Sequence
@@ -946,6 +947,33 @@ def inductor_wrapper_globals(compiled: Any) -> dict[str, Any] | None:
     ``func`` links: checked on 2.13. If Inductor changes its wrapper the CPU graph warns
     and runs the native code without a record."""
     return _generated_globals(compiled, INDUCTOR_ALLOC_NAMES)
+
+
+def inductor_unlist_module(compiled: Any) -> bool:
+    """Drop Inductor's process-long references to the generated module of ``compiled``
+    (a graph whose code holds frozen constants), so that the module, and the weights it
+    holds, live as long as ``compiled``'s code and no longer; False where the module is
+    not found (nothing dropped).
+
+    ``PyCodeCache.load_by_key_path`` (2.13) loads a module with attributes (the frozen
+    constants, ``CompiledFxGraphConstantsWithGm``) afresh each time, appends it to
+    ``PyCodeCache.modules`` (a list Inductor itself prunes only around autotuning) and
+    puts it in ``sys.modules``: a served model deleted and ``graphgear.reset()`` left
+    about twice its weights alive per model. The list serves Inductor's profiler and
+    benchmark helpers only."""
+    g = _generated_globals(compiled, INDUCTOR_ALLOC_NAMES + INDUCTOR_CPP_WRAPPER_NAMES)
+    if g is None:
+        return False
+    try:
+        from torch._inductor.codecache import PyCodeCache
+    except ImportError:
+        return False
+    PyCodeCache.modules[:] = [m for m in PyCodeCache.modules if m.__dict__ is not g]
+    name = g.get("__name__")
+    mod = sys.modules.get(name) if isinstance(name, str) else None
+    if mod is not None and mod.__dict__ is g:
+        del sys.modules[name]
+    return True
 
 
 def inductor_is_cpp_wrapper(compiled: Any) -> bool:

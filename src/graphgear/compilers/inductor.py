@@ -37,6 +37,7 @@ from .._torch import (
     inductor_decomp_table,
     inductor_drop_args,
     inductor_mark_frozen,
+    inductor_unlist_module,
     pytree,
     tracing,
     unset_fake_temporarily,
@@ -277,6 +278,9 @@ def compile_static(
             is_inference=stage == "inference", is_backward=stage == "backward",
             cpp_wrapper=cpp_wrapper,
         )
+    if frozen:
+        # its module holds the weights: it lives as long as this code, not the process
+        inductor_unlist_module(compiled)
     if len(keep) == len(args):
         return compiled
     return inductor_drop_args(compiled, keep)
