@@ -418,3 +418,34 @@ def test_a_served_model_deleted_and_reset_frees_its_weights() -> None:
     graphgear.reset()
     gc.collect()
     assert all(w.expired() for w in weights), [w.expired() for w in weights]
+
+
+@pytest.mark.slow
+@pytest.mark.inductor
+@torch.no_grad()
+def test_served_decoder_serves_request_after_request_each_with_a_new_static_cache() -> None:
+    """A server that makes a new StaticCache per request and decodes with the served
+    model from its first step: the cache's tensors are created by the compiled graph
+    itself (StaticCache initialises on its first update), so they are outputs of a graph
+    of the pool, fed back to the decode graph to be updated in place, and the next
+    request's first step overwrites the previous cache. Every request decodes as eager
+    does (the third one used to raise the stale-output error from graphgear's own check
+    of the previous request's cache), with one capture per graph."""
+    from transformers import StaticCache
+
+    from tests.models import hf_qwen2_pair
+
+    cfg, model, ref = hf_qwen2_pair()
+    f = graphgear.inference.serve(model)
+    for req in range(3):
+        cache, ref_cache = StaticCache(config=cfg, max_cache_len=16), StaticCache(config=cfg, max_cache_len=16)
+        tok = torch.randint(3, 100, (2, 1), generator=torch.Generator().manual_seed(req))
+        for p in range(5):
+            pos = torch.full((2, 1), p)
+            out = f(input_ids=tok, cache=cache, position_ids=pos, use_cache=True).logits
+            want = ref(input_ids=tok, cache=ref_cache, position_ids=pos, use_cache=True).logits
+            assert_close(out, want, reduction=128, what=f"request {req}, step {p}")
+            tok = want[:, -1:].argmax(-1)
+        for layer, ref_layer in zip(cache.layers, ref_cache.layers):
+            assert_close(layer.keys, ref_layer.keys, reduction=64, what=f"request {req}: keys")
+    assert [g.captures for g in graphgear.stats().graphs] == [1, 1]

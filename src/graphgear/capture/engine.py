@@ -158,6 +158,18 @@ def _data_ptr(t: torch.Tensor) -> int:
     return t.data_ptr()
 
 
+def _same_memory(a: torch.Tensor, bound: torch.Tensor) -> bool:
+    """Whether ``a`` starts where the bound input ``bound`` does. A bound input that was
+    an output of a graph of this pool (a KV cache a graph made, then fed in to be updated
+    in place) is poisoned when that graph replays: it is not the caller's any more, and
+    the call's tensor is bound instead, wherever it lies."""
+    where = a.data_ptr()  # (a stale output passed in raises here, as it should)
+    try:
+        return where == bound.data_ptr()
+    except RuntimeError:
+        return False
+
+
 def _getter(idx: Sequence[int]) -> Any:
     """``args -> tuple(args[i] for i in idx)``, in C."""
     if not idx:
@@ -298,7 +310,7 @@ class CaptureEngine:
             moved = False
             for i in self.tracked_idx:
                 a = args[i]
-                if a is not bound[i] and a.data_ptr() != bound[i].data_ptr():
+                if a is not bound[i] and not _same_memory(a, bound[i]):
                     g.rebind(i, a)  # a new KV cache: same code, same record
                     moved = True
             if moved:
