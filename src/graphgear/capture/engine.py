@@ -154,8 +154,7 @@ class _Entry:
     statics: tuple[Any, ...] = ()
 
 
-def _data_ptr(t: torch.Tensor) -> int:
-    return t.data_ptr()
+_DATA_PTR = torch.Tensor.data_ptr  # (a method descriptor: map calls it without a Python frame)
 
 
 def _same_memory(a: torch.Tensor, bound: torch.Tensor) -> bool:
@@ -238,7 +237,7 @@ class CaptureEngine:
 
     # ---- keys and entries ------------------------------------------------------------
     def _static_key(self, args: Sequence[Any]) -> tuple[int, ...]:
-        return tuple(map(id if self.key_by_identity else _data_ptr, self._statics(args)))
+        return tuple(map(id if self.key_by_identity else _DATA_PTR, self._statics(args)))
 
     def _key(self, args: Sequence[Any]) -> tuple[Any, ...]:
         key = (threading.get_ident(), self._static_key(args),
