@@ -78,6 +78,18 @@ def _mlp() -> nn.Module:
                          nn.Linear(40, 8)).eval()
 
 
+class _QKVBlock(nn.Module):
+    """Three products of the same rows (grouped for packing) and one of their output."""
+
+    def __init__(self, out: int) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(64, 64), nn.Linear(64, 32), nn.Linear(64, 32)
+        self.out = nn.Linear(128, out, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.cat([self.q(x), self.k(x), self.v(x)], -1).relu())
+
+
 @pytest.mark.parametrize("rows", [2, 16, 17])
 def test_served_products_of_2_to_16_rows_are_graphgears_and_replay_as_kernel_calls(monkeypatch, rows) -> None:
     """Frozen products of 2 to 16 rows go to graphgear's product (with and without
@@ -153,16 +165,7 @@ def test_served_batch_sizes_share_one_packed_copy_of_each_weight() -> None:
     _built()
     torch.manual_seed(0)
 
-    class Block(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.q, self.k, self.v = nn.Linear(64, 64), nn.Linear(64, 32), nn.Linear(64, 32)
-            self.out = nn.Linear(128, 64, bias=False)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.out(torch.cat([self.q(x), self.k(x), self.v(x)], -1).relu())
-
-    net = Block().eval()
+    net = _QKVBlock(64).eval()
     backend = graphgear.get_backend(make_config("reduce-overhead", warmup_iters=0, frozen_parameter=True))
     f = torch.compile(net, backend=backend)
     held = []
@@ -195,16 +198,7 @@ def test_frozen_weights_past_the_cache_stream_as_they_lie_with_no_copy(monkeypat
                         torch.ops.graphgear.small_linear.default)
     torch.manual_seed(0)
 
-    class Block(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.q, self.k, self.v = nn.Linear(64, 64), nn.Linear(64, 32), nn.Linear(64, 32)
-            self.out = nn.Linear(128, 24, bias=False)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.out(torch.cat([self.q(x), self.k(x), self.v(x)], -1).relu())
-
-    net = Block().eval()
+    net = _QKVBlock(24).eval()
     backend = graphgear.get_backend(make_config("reduce-overhead", warmup_iters=0, frozen_parameter=True))
     f = torch.compile(net, backend=backend)
     with torch.no_grad():
