@@ -449,3 +449,21 @@ def test_served_decoder_serves_request_after_request_each_with_a_new_static_cach
         for layer, ref_layer in zip(cache.layers, ref_cache.layers):
             assert_close(layer.keys, ref_layer.keys, reduction=64, what=f"request {req}: keys")
     assert [g.captures for g in graphgear.stats().graphs] == [1, 1]
+
+
+@torch.no_grad()
+def test_a_served_models_module_still_saves_and_loads() -> None:
+    """serve() puts a load_state_dict hook on the model's modules; the model still saves
+    whole (``torch.save(model)``, pickle) and the loaded copy takes a state dict, its
+    hook doing nothing."""
+    import io
+    import pickle
+
+    model = _TwoLayers(0).eval()
+    graphgear.inference.serve(model)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    copy_ = pickle.loads(pickle.dumps(model))
+    copy_.load_state_dict(_TwoLayers(1).state_dict())
+    x = torch.randn(2, 64)
+    assert_close(copy_(x), _TwoLayers(1)(x), reduction=64)

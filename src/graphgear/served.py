@@ -128,6 +128,25 @@ def _frame_function(target: Any) -> tuple[types.FunctionType | None, tuple[Any, 
     return None, ()
 
 
+class _WeightsLoaded:
+    """The ``load_state_dict`` post-hook a served model puts on each of its modules: marks
+    the served model (held weakly) to compile again. A copy of the model (``deepcopy``)
+    carries the hook: loads into modules that are not the served model's are ignored.
+    Pickled (``torch.save(model)``) it becomes a hook that does nothing."""
+
+    def __init__(self, served: ServedModel | None, module: torch.nn.Module | None) -> None:
+        self._served = weakref.ref(served) if served is not None else None
+        self._mine = weakref.WeakSet(module.modules()) if module is not None else weakref.WeakSet()
+
+    def __call__(self, module: torch.nn.Module, incompatible: Any) -> None:
+        served = self._served() if self._served is not None else None
+        if served is not None and module in self._mine:
+            served._weights_loaded = True
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_WeightsLoaded, (None, None))
+
+
 class ServedModel:
     """``compiled`` (``torch.compile(target, ...)``) called without dynamo's frame
     evaluation where dynamo would run compiled code: see the module docstring.
@@ -153,17 +172,9 @@ class ServedModel:
         self.dynamo_calls = 0
         self._adopt(compiled)
         if frozen and self._module is not None and compile_again is not None:
-            me = weakref.ref(self)
-            mine = weakref.WeakSet(self._module.modules())
-
-            def loaded(module: torch.nn.Module, incompatible: Any) -> None:
-                served = me()
-                # (a deep copy of the model carries this hook: its loads are not ours)
-                if served is not None and module in mine:
-                    served._weights_loaded = True
-
-            for m in mine:
-                m.register_load_state_dict_post_hook(loaded)
+            hook = _WeightsLoaded(self, self._module)
+            for m in self._module.modules():
+                m.register_load_state_dict_post_hook(hook)
 
     def _adopt(self, compiled: Callable[..., Any]) -> None:
         """Serve ``compiled`` (``torch.compile`` of the target)."""
