@@ -188,7 +188,9 @@ def small_products_stream(gm: fx.GraphModule) -> bool:
     graphgear's row-major product streams the frozen weight itself faster than
     :func:`pack_frozen_small`'s packed copy, which also doubles the weights' memory
     (2026-12-03, bench_decode's large Qwen2, 128 MB of weights, served step at batch 8,
-    same run, packed / row-major: 1 thread 22980 / 19294 µs, 2 threads 16920 / 13909).
+    same run, packed / streamed by this rule: 2 threads 21566 / 16892 µs; an earlier A/B
+    with the products grouped and MKL off, packed / row-major: 1 thread 22980 / 19294,
+    2 threads 16920 / 13909).
     Where they fit, the packed copy is faster (small Qwen2, 11.6 MB in a 32 MB cache,
     batch 4 944 / 1117 µs, batch 8 2474 / 2626)."""
     weights: dict[str, int] = {}
