@@ -74,6 +74,63 @@ def test_mlp_training_and_inference():
     assert rec.stage == "inference" and rec.mode == "max-autotune" and rec.compiles == 1
 
 
+def test_dropout_in_training_draws_fresh_masks_that_forward_and_backward_share():
+    """Inductor lowers random ops only after its ``replace_random`` rewrite, which
+    ``compile_fx`` runs before ``compile_fx_inner``: graphgear calls the latter, and a
+    model with dropout in training mode failed in Inductor's lowering."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.Dropout(0.5))
+    x = torch.randn(32, 16)
+    f = torch.compile(model, backend=graphgear.get_backend(mat_config()))
+    masks = []
+    for _ in range(3):
+        out = f(x)
+        out.sum().backward()
+        keep = out != 0
+        masks.append(keep)
+        assert 0.35 < float(keep.float().mean()) < 0.65
+        # the backward used the forward's mask: d out / d W = mask * 2 (1 / (1 - p)) per row
+        assert_close(model[0].weight.grad, (keep.float() * 2).T @ x, reduction=64)
+        # kept values are the linear layer's, scaled by 2
+        assert_close(out[keep], (2 * (x @ model[0].weight.T + model[0].bias))[keep].detach(), reduction=64)
+        model.zero_grad()
+    assert not torch.equal(masks[0], masks[1]) and not torch.equal(masks[1], masks[2])
+    with torch.no_grad():  # the inference graph too
+        a, b = f(x), f(x)
+    assert not torch.equal(a != 0, b != 0)
+    torch.manual_seed(7)
+    with torch.no_grad():
+        c = f(x)
+    torch.manual_seed(7)
+    with torch.no_grad():
+        assert torch.equal(f(x), c)  # seeded: the same draw
+
+
+def test_retain_graph_backward_is_not_served_code_that_overwrites_saved_activations():
+    """A plain ``backward()`` lets Inductor's backward reuse saved activations' memory
+    (donated buffers); a ``retain_graph=True`` one must not. Inductor's FX graph cache key
+    leaves that out: a second model of the same architecture (or a later process) got the
+    first one's backward, and its second backward read overwritten activations."""
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+
+    torch.manual_seed(100)
+    x, t = torch.randn(8, 16), torch.randn(8, 4)
+    first = torch.compile(make(), backend=graphgear.get_backend(mat_config()))
+    ((first(x) - t) ** 2).mean().backward()  # compiles (and caches) the donating backward
+    torch._dynamo.reset()
+    graphgear.reset()
+    model, ref = make(), make()
+    f = torch.compile(model, backend=graphgear.get_backend(mat_config()))
+    for m in (f, ref):
+        loss = ((m(x) - t) ** 2).mean()
+        loss.backward(retain_graph=True)
+        loss.backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert_close(p.grad, q.grad, reduction=64, what=name)
+
+
 class ConvNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()

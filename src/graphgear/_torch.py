@@ -150,6 +150,7 @@ __all__ = [
     "inductor_callable",
     "inductor_drop_args",
     "inductor_compile_fx_inner",
+    "inductor_donated_buffers",
     "inductor_config_patch",
     "inductor_decomp_table",
     "inductor_lowering",
@@ -158,6 +159,7 @@ __all__ = [
     "inductor_load_cpp_kernel",
     "register_inductor_extern_out",
     "inductor_remove_noop_ops",
+    "inductor_replace_random",
     "inductor_virtual_fake_mode",
     "inductor_wrapper_globals",
     "inductor_is_cpp_wrapper",
@@ -642,6 +644,61 @@ def inductor_compile_fx_inner(gm: torch.fx.GraphModule, example_inputs: list[Any
     from torch._inductor.compile_fx import compile_fx_inner
 
     return compile_fx_inner(gm, example_inputs, **kwargs)
+
+
+def inductor_donated_buffers() -> list[int] | None:
+    """The saved activations Inductor may overwrite in the backward graph it compiles now
+    (AOTAutograd's ``bw_donated_idxs`` on the active tracing context's ``fw_metadata``;
+    ``[]`` for a backward run with ``retain_graph=True``), None where no context says.
+
+    Inductor reads it while compiling (``GraphLowering.bw_donated_idxs``), but its FX
+    graph cache key leaves it out: a backward compiled for a plain ``backward()`` (which
+    reuses saved activations' memory) would be served to a ``retain_graph=True`` one,
+    whose second backward then reads overwritten activations (wrong gradients).
+    graphgear puts it into its cache key tag (``compilers.inductor.cache_context``).
+    ``torch._inductor.utils.get_donated_idxs``: checked on 2.13 (2.11 to 2.14). If it
+    went, this returns None and the tag cannot tell the two apart."""
+    try:
+        from torch._inductor.utils import get_donated_idxs
+    except ImportError:
+        return None
+    idxs = get_donated_idxs()
+    return None if idxs is None else list(idxs)
+
+
+def inductor_replace_random(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> int:
+    """Inductor's random-op rewrite (``aten.rand``/``randn``/``bernoulli``/dropout to its
+    own seeded ops), which its lowering requires and ``compile_fx`` runs among its joint
+    graph passes before ``compile_fx_inner`` (that graphgear calls directly); returns the
+    number of rewrites. Without it, a graph with dropout in training mode fails in
+    Inductor's lowering ("should have been handled in replace_random.py").
+
+    ``torch._inductor.fx_passes.replace_random.replace_random_passes``: checked on 2.13
+    (2.11 to 2.14); a no-op under ``torch._inductor.config.fallback_random``. If it
+    moved, such graphs fail to compile as before (max-autotune raises Inductor's error,
+    a capture falls back to the uncompiled graph). Its rewrites trace replacements in
+    Inductor's virtualized fake mode (``V.set_fake_mode``): the example inputs'."""
+    from torch._guards import detect_fake_mode
+    from torch._inductor.fx_passes.replace_random import replace_random_passes
+    from torch._inductor.virtualized import V
+
+    if not any(n.op == "call_function" and n.target in _RANDOM_OPS() for n in gm.graph.nodes):
+        return 0
+    fake_mode = detect_fake_mode(list(example_inputs)) or FakeTensorMode(allow_non_fake_inputs=True)
+    with V.set_fake_mode(fake_mode):
+        count = int(replace_random_passes(gm) or 0)
+    if count:
+        gm.recompile()
+    return count
+
+
+@functools.cache
+def _RANDOM_OPS() -> frozenset[Any]:  # noqa: N802 - a constant, built on first use
+    """The ops ``replace_random``'s patterns match (2.13); dropout and ``bernoulli``
+    reach Inductor decomposed into ``rand``."""
+    aten = torch.ops.aten
+    return frozenset({aten.rand.default, aten.rand.generator, aten.randn.default, aten.randn.generator,
+                      aten.randint.low})
 
 
 @contextlib.contextmanager

@@ -35,8 +35,10 @@ from .._torch import (
     inductor_compile_fx_inner,
     inductor_config_patch,
     inductor_decomp_table,
+    inductor_donated_buffers,
     inductor_drop_args,
     inductor_mark_frozen,
+    inductor_replace_random,
     inductor_unlist_module,
     pytree,
     tracing,
@@ -81,8 +83,14 @@ def cache_context(example_inputs: Sequence[Any], *, replace: bool = False) -> co
     stack = contextlib.ExitStack()
     base = strip_cache_tag(torch.compiler.config.cache_key_tag)  # not the compile cache's entry tag
     tag = f"{base}graphgear-passes-v{PASSES_VERSION}"
+    keep = not replace and TracingContext.try_get() is not None
+    donated = inductor_donated_buffers() if keep else None
+    if donated is not None:
+        # a backward that may overwrite saved activations (plain backward()) and one that
+        # may not (retain_graph=True) are different code; Inductor's key cannot tell
+        tag += f"-donated-{','.join(map(str, donated))}"
     stack.enter_context(torch.compiler.config.patch(cache_key_tag=tag))
-    if replace or TracingContext.try_get() is None:
+    if not keep:
         fake_mode = next((a.fake_mode for a in example_inputs if isinstance(a, FakeTensor)), None)
         stack.enter_context(tracing(TracingContext(fake_mode)))
     return stack
@@ -112,6 +120,7 @@ def compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: Com
         if routed:
             ctx.record.passes["small_linear"] = ctx.record.passes.get("small_linear", 0) + routed
     inlined = prepare_for_inductor(gm)
+    inductor_replace_random(gm, example_inputs)  # as compile_fx does before compile_fx_inner
     if inlined:
         log.debug("graphgear: inlined %d fused ops for Inductor in %s", inlined, ctx.record.name)
         ctx.record.passes["inline_fused_ops"] = ctx.record.passes.get("inline_fused_ops", 0) + inlined
@@ -272,6 +281,7 @@ def compile_static(
         # weights passed in (they may change): small-M products read them as they lie
         route_small_products(dgm)
     patches["cpp_wrapper"] = cpp_wrapper
+    inductor_replace_random(dgm, fakes)
     with cache_context(fakes, replace=True), inductor_config_patch(**patches):
         compiled = inductor_compile_fx_inner(
             dgm, fakes, static_input_idxs=static,
