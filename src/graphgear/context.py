@@ -35,3 +35,6 @@ class CompileContext:
     #: the compile cache's :class:`~graphgear.artifacts.ArtifactStore` of this graph
     #: (``graphgear.cache``): compiled keys are recorded in it, stored keys loaded from it
     artifacts: Any = None
+    #: a training forward: how many of its outputs return to the caller (the rest are
+    #: saved for the backward); None: all of them, or not known
+    caller_outputs: int | None = None

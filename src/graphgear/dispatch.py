@@ -58,13 +58,21 @@ class GearedGraph:
         record: Any,
         calls_to_build: int = 1,
         unsliceable: Sequence[UnsliceableDim] = (),
+        caller_outputs: int | None = None,
+        tangents: Sequence[int] = (),
     ) -> None:
         self.info = info
         self.plan = plan
         self.build = build
         self.padding = padding
         self.out_specs = out_specs  # per output: {dim: symbol index} for dims of a geared symbol
-        self.unsliceable = list(unsliceable)  # output dims whose size is an expression of one
+        # a training forward: its first ``caller_outputs`` outputs go to the caller (sliced
+        # when padded), the rest to its backward (kept at the gear's size)
+        self.caller_outputs = len(out_specs) if caller_outputs is None else caller_outputs
+        # output dims whose size is an expression of one (only the caller's are sliced)
+        self.unsliceable = [u for u in unsliceable if u.output < self.caller_outputs]
+        # a backward with gear padding: its tangents (see :meth:`_pad_tangents`)
+        self.tangents = list(tangents)
         self.mutated = list(mutated)
         self.record = record
         self.compiled: dict[tuple[int, ...], Callable[..., Any]] = {}
@@ -93,6 +101,10 @@ class GearedGraph:
 
     def __call__(self, args: list[Any]) -> Any:
         key = self.info.key(args)
+        if self.tangents:
+            grow = self._pad_tangents(args, key)
+            if grow:
+                return self._slice_outputs(self._get(key)(args), grow)
         if self.plan is not None and precompiling() is not None:
             self.precompile(args)
         if self.plan is None or self.plan.allowed(key):
@@ -127,6 +139,40 @@ class GearedGraph:
                 args[j].copy_(new_args[j][tuple(slice(0, n) for n in args[j].shape)])
         return self._slice_outputs(out, grow)
 
+    def _pad_tangents(self, args: list[Any], key: tuple[int, ...]) -> dict[int, tuple[int, int]]:
+        """The backward of a forward that ran padded: its saved activations (read first:
+        they give ``key``) have the gear's sizes, its tangents (the gradients of the
+        caller's sliced outputs) the real ones. Each such tangent is zero-padded to the
+        gear's size in ``args`` (the padded rows' gradients are zero, so they add nothing),
+        and the returned ``{symbol: (real, gear)}`` says how to slice the gradients."""
+        grow: dict[int, tuple[int, int]] = {}
+        info = self.info
+        for j in self.tangents:
+            a = args[j]
+            want = info.shape_at(j, key)
+            if not isinstance(a, torch.Tensor) or want is None or list(a.shape) == want:
+                continue
+            for d, (have, gear) in enumerate(zip(a.shape, want)):
+                if have == gear:
+                    continue
+                sym = info.symbol_at(j, d)
+                i = info.symbols.index(sym) if sym is not None else None
+                if i is None or have > gear or grow.get(i, (have, gear)) != (have, gear):
+                    raise GearError(
+                        f"graphgear: the backward of {self.record.name} got gradient input "
+                        f"{info.placeholders[j].name} of size {tuple(a.shape)} where its forward "
+                        f"ran at {tuple(want)}; a forward run with gear padding can be "
+                        f"differentiated only through outputs whose padded dims are plain gear "
+                        f"dims. Pass sizes that are gears, or turn padding off "
+                        f"(config.inference_config.gear_padding = False).")
+                grow[i] = (have, gear)
+            ev = info.size_at(key)
+            v = info.vals[j]
+            p = torch.empty_strided(want, [ev(s) for s in v.stride()], dtype=a.dtype, device=a.device).zero_()
+            p[tuple(slice(0, n) for n in a.shape)] = a
+            args[j] = p
+        return grow
+
     def _check_sliceable(
         self, key: tuple[int, ...], target: tuple[int, ...], grow: dict[int, tuple[int, int]]
     ) -> None:
@@ -157,7 +203,7 @@ class GearedGraph:
 
     def _slice_outputs(self, out: Any, grow: dict[int, tuple[int, int]]) -> Any:
         seq = list(out) if isinstance(out, list | tuple) else [out]
-        for k, spec in enumerate(self.out_specs):
+        for k, spec in enumerate(self.out_specs[: self.caller_outputs]):
             if k >= len(seq) or not isinstance(seq[k], torch.Tensor) or not spec:
                 continue
             t = seq[k]

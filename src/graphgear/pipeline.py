@@ -20,7 +20,13 @@ from .config import mode_of
 from .context import CompileContext
 from .dispatch import GearedGraph, output_specs, unsliceable_outputs
 from .gears import GearPlan
-from .inputs import aot_input_names, mutated_placeholders, static_input_indices
+from .inputs import (
+    aot_input_names,
+    backward_tangents,
+    forward_outputs_for_caller,
+    mutated_placeholders,
+    static_input_indices,
+)
 from .passes import post_grad_pass_manager, static_pass_manager
 from .shapes import ShapeInfo, specialize
 from .stats import new_record
@@ -78,11 +84,13 @@ def compile_graph(
         mutated_inputs=mutated_placeholders(gm),
         artifacts=artifacts,
         frozen_copies=frozen_copies,
+        caller_outputs=forward_outputs_for_caller() if stage == "forward" else None,
     )
     if artifacts is not None:
         artifacts.keep_graph(gm, example_inputs, {
             "name": record.name, "stage": stage, "input_names": list(names), "static_inputs": static,
-            "mutated_inputs": list(ctx.mutated_inputs), "num_nodes": record.num_nodes})
+            "mutated_inputs": list(ctx.mutated_inputs), "num_nodes": record.num_nodes,
+            "caller_outputs": ctx.caller_outputs})
     compiled = _compile_by_shape(gm, example_inputs, ctx, mode)
     if not getattr(compiled, "per_key", False):
         record.compiles += 1
@@ -107,7 +115,7 @@ def rebuild_graph(artifacts: ArtifactStore, config: CompilerConfig) -> Callable[
     ctx = CompileContext(
         config=config, stage=meta["stage"], record=record, input_names=list(meta["input_names"]),
         static_inputs=list(meta["static_inputs"]), mutated_inputs=list(meta["mutated_inputs"]),
-        artifacts=artifacts,
+        artifacts=artifacts, caller_outputs=meta.get("caller_outputs"),
     )
     compiled = _compile_by_shape(gm, example_inputs, ctx, mode)
     fn = _convention(compiled, boxed=True)
@@ -157,9 +165,10 @@ def _compile_by_shape(
             "once with dynamic shapes instead of once per key"
         )
         per_key = False
+    tangents = backward_tangents(gm) if ctx.stage == "backward" and ctx.config.inference_config.gear_padding else []
     if not per_key:
         whole = compiler(gm, example_inputs, ctx)  # dynamic: one code for every size, not stored
-        if plan is None:
+        if plan is None and not tangents:
             return whole
         whole_boxed = _convention(whole, boxed=True)
         build: Callable[[tuple[int, ...]], Callable[..., Any]] = lambda key: whole_boxed  # noqa: E731
@@ -192,6 +201,11 @@ def _compile_by_shape(
         unsliceable=unsliceable_outputs(gm, info),
         mutated=ctx.mutated_inputs,
         record=ctx.record,
+        # training: a padded forward returns the caller's outputs sliced and keeps the
+        # saved activations at the gear's size; its backward gets the real-size tangents
+        # padded to that size, and slices the gradients it returns
+        caller_outputs=ctx.caller_outputs,
+        tangents=tangents,
         # reduce-overhead captures on the call after its warm-up runs
         calls_to_build=ctx.config.capture_config.warmup_iters + 1 if mode == "reduce-overhead" else 1,
     )
