@@ -639,7 +639,7 @@ def test_frozen_parameters_are_packed_constants_and_match_eager(batch: int) -> N
         assert_close(out, want, reduction=64)
         tok, ref_tok = out[:, -1:].argmax(-1), want[:, -1:].argmax(-1)
     (eng,) = [e for e in _engines() if e.entries]
-    ((_, ex),) = eng._executors.values()
+    ((_, ex, _),) = eng._executors.values()
     assert ex.native and hasattr(ex.run, "__wrapped__")  # weights are constants: args dropped
     r = _rec()
     assert (r.captures, r.fallbacks) == (1, [])

@@ -400,6 +400,38 @@ def test_frozen_weights_loaded_then_reset_are_seen_at_every_batch_size() -> None
 
 @pytest.mark.inductor
 @torch.no_grad()
+def test_frozen_weights_written_in_place_are_seen_at_every_batch_size_without_reset() -> None:
+    """frozen_parameter through torch.compile (transformers' CompileConfig takes this
+    path): weights loaded or updated in place after the first calls were seen at one row
+    (its code reads the parameters' memory) and not at 2 to 16 rows (packed copies):
+    silently wrong by batch size. The frozen code now follows the parameters' version
+    counters: every batch size computes with the new weights, and calls in between that
+    write nothing compile nothing."""
+    from tests.helpers import make_config
+
+    model = _TwoLayers(0).eval()
+    f = torch.compile(model, backend=graphgear.get_backend(make_config(frozen_parameter=True)))
+    for rows in (1, 2, 4) * 3:
+        x = torch.randn(rows, 64)
+        assert_close(f(x), model(x), reduction=64)
+    compiles = sum(g.compiles for g in graphgear.stats().graphs)
+    captures = sum(g.captures for g in graphgear.stats().graphs)
+    for rows in (1, 2, 4) * 2:  # steady: nothing compiled or captured again
+        f(torch.randn(rows, 64))
+    assert sum(g.captures for g in graphgear.stats().graphs) == captures
+    model.load_state_dict(_TwoLayers(1).state_dict())
+    for rows in (2, 4, 1, 2, 4, 1, 2, 4, 1):
+        x = torch.randn(rows, 64)
+        assert_close(f(x), model(x), reduction=64, what=f"{rows} rows after load_state_dict")
+    model.b.weight.mul_(0.5)  # an in-place update of one weight
+    for rows in (4, 2, 1) * 3:
+        x = torch.randn(rows, 64)
+        assert_close(f(x), model(x), reduction=64, what=f"{rows} rows after an in-place update")
+    assert sum(g.compiles for g in graphgear.stats().graphs) == compiles  # no new graph key
+
+
+@pytest.mark.inductor
+@torch.no_grad()
 def test_a_served_model_deleted_and_reset_frees_its_weights() -> None:
     """The frozen code of every gear holds the weights (and packed copies of them);
     Inductor keeps each module it loads with constants for the life of the process

@@ -42,7 +42,10 @@ The device graph itself (CPU, CUDA, NPU) is a small class with ``capture(args)``
 ``replay()``, ``release()``, ``nbytes``, ``args`` (the bound inputs), and the flags
 ``runs_at_capture``, ``rebindable`` and ``released``; the compiled code it runs (its
 executor) is made once per engine, or, where it holds the static inputs' values
-(``frozen`` code), once per set of static inputs.
+(``frozen`` code), once per set of static inputs. Frozen code is also made again when
+those inputs were written in place since (``load_state_dict``, an in-place update:
+their version counters moved): its captures are dropped and the key warms up and
+captures again, so every gear sees the new weights, as the uncaptured graph would.
 
 **reset from another thread** (``graphgear.reset()`` while a thread is inside a call):
 the call completes correctly. A replay whose graph was released before it ran runs the
@@ -152,9 +155,12 @@ class _Entry:
     # frozen_parameter: the static inputs the key names by identity, held so that their
     # ids stay theirs while the capture lives
     statics: tuple[Any, ...] = ()
+    # frozen code: the static inputs' version counters when its code was made
+    versions: tuple[int, ...] = ()
 
 
 _DATA_PTR = torch.Tensor.data_ptr  # (a method descriptor: map calls it without a Python frame)
+_VERSION = torch.Tensor._version.__get__  # (a getset descriptor's getter: the same)
 
 
 def _same_memory(a: torch.Tensor, bound: torch.Tensor) -> bool:
@@ -226,7 +232,7 @@ class CaptureEngine:
         self.collectives = find_collectives(gm)
         self.clone_output = cc.clone_output or ctx.stage in ("forward", "backward")
         self.entries: dict[tuple[Any, ...], _Entry] = {}
-        self._executors: dict[tuple[int, ...], tuple[tuple[Any, ...], Any]] = {}
+        self._executors: dict[tuple[int, ...], tuple[tuple[Any, ...], Any, tuple[int, ...]]] = {}
         self._staging: dict[tuple[int, int], torch.Tensor] = {}
         self._lock = threading.RLock()
         self._safe_warned = False
@@ -289,6 +295,8 @@ class CaptureEngine:
             if self.key_by_identity:
                 e.statics = self._statics(args)
         g = e.graph
+        if self.frozen and g is not None and tuple(map(_VERSION, e.statics)) != e.versions:
+            e, g = self._weights_written(key, args), None
         if g is None:
             if e.uncaptured:
                 return self._run_uncaptured(args)
@@ -322,6 +330,26 @@ class CaptureEngine:
             return self._run_uncaptured(args)
         self.record.replays += 1
         return self._hand_out(e, outs, arena)
+
+    def _weights_written(self, key: tuple[Any, ...], args: list[Any]) -> _Entry:
+        """The static inputs of frozen code were written in place since it was made (their
+        version counters moved): drop that code and every capture of it (each thread's),
+        and start ``key`` again; it warms up on the new values and captures new code."""
+        which = self._static_key(args)
+        log.info("graphgear: %s: frozen weights were written in place since its code was made; "
+                 "compiling it again from the new values", self.record.name)
+        with self._lock:
+            self._executors.pop(which, None)
+            for k, other in list(self.entries.items()):
+                if other.statics and tuple(map(id, other.statics)) == which:
+                    if other.graph is not None:
+                        other.graph.release()
+                        with self.group.lock:
+                            self.group.captures -= 1
+                    del self.entries[k]
+        e = self._new_entry(key)
+        e.statics = self._statics(args)
+        return e
 
     def _run_uncaptured(self, args: list[Any]) -> list[Any]:
         """Run the FX graph as it is (a key that runs uncaptured, past capture_limit, or
@@ -367,15 +395,17 @@ class CaptureEngine:
 
     def _executor_for(self, args: list[Any]) -> Any:
         which = self._static_key(args) if self.frozen else ()
+        statics = self._statics(args) if self.frozen else ()
+        # frozen code holds the values the static inputs had: made again once written
+        versions = tuple(map(_VERSION, statics))
         made = self._executors.get(which)
-        if made is None:
+        if made is None or made[2] != versions:
             # dynamo's compile lock first, then this engine's (the order dispatch uses)
             with compile_session(), self._lock:
                 made = self._executors.get(which)
-                if made is None:
+                if made is None or made[2] != versions:
                     # (with the static inputs it was made for: their ids stay theirs)
-                    made = self._executors[which] = (self._statics(args) if self.frozen else (),
-                                                     self._compile(args))
+                    made = self._executors[which] = (statics, self._compile(args), versions)
         return made[1]
 
     def _device_graph(self, args: list[Any]) -> Any:
@@ -444,6 +474,7 @@ class CaptureEngine:
         self.pool.invalidate(self._stale)
         if not self.clone_output and liveness.poisoner() is None:
             self._enter_safe_mode()
+        e.versions = tuple(map(_VERSION, e.statics)) if self.frozen else ()
         graph = self._device_graph(bound)
         snapshot = ({i: args[i].clone() for i in self.mutated_idx if isinstance(args[i], torch.Tensor)}
                     if graph.runs_at_capture else {})
