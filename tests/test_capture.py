@@ -444,6 +444,55 @@ def test_capture_failure_follows_fallback(fallback: str, monkeypatch: pytest.Mon
         assert r.fallbacks and r.fallbacks[0][0] == "capture" and "not permitted" in r.fallbacks[0][1]
 
 
+class _Position:
+    """A plain object holding a Python int, as transformers' sliding-window cache layer
+    holds ``cumulative_length_int``."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+
+class _Stepper(nn.Module):
+    """Advances the int of the state it is given every call; with ``scale`` it also
+    multiplies by it (a tensor depends on it)."""
+
+    def __init__(self, scale: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.scale = scale
+
+    def forward(self, x: torch.Tensor, pos: _Position) -> torch.Tensor:
+        pos.n += 1
+        y = self.lin(x).relu()
+        return y * pos.n if self.scale else y + 1
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("scale", [False, True])
+def test_a_python_int_the_graph_only_advances_is_one_key(scale: bool) -> None:
+    """dynamo turns an object's int that changes every call into a SymInt input; where no
+    tensor depends on it (the graph only returns it plus one), every value runs one key:
+    one compile and one capture, not one per value (seconds each). Where a tensor does
+    depend on it, each value is a key of its own, as before. Values equal eager's, and
+    the int advances as in eager."""
+    model, ref = _Stepper(scale), _Stepper(scale)
+    ref.load_state_dict(model.state_dict())
+    f = torch.compile(model, backend=_ro())
+    mine, theirs = _Position(), _Position()
+    for _ in range(8):
+        x = torch.randn(2, 8)
+        assert_close(f(x, mine), ref(x, theirs), reduction=8)
+    assert mine.n == theirs.n == 8
+    graphs = graphgear.stats().graphs
+    assert len(graphs) == 2, str(graphgear.stats())  # the first value static, then dynamic
+    dynamic = graphs[1]
+    if scale:
+        assert dynamic.compiles == 7, str(graphgear.stats())  # a key per value (each warms up once)
+    else:
+        assert dynamic.compiles == dynamic.captures == 1, str(graphgear.stats())
+        assert dynamic.replays == 5
+
+
 @torch.no_grad()
 def test_expanded_input_is_copied_densely() -> None:
     net = Net()

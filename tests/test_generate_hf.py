@@ -180,6 +180,46 @@ def test_greedy_and_sampled_tokens_equal_eager(mode: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.inductor
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+@torch.no_grad()
+def test_sliding_window_models_compile_once_not_per_decode_position(family: str) -> None:
+    """A sliding-window cache keeps its position as a Python int that every decode step
+    advances (``cumulative_length_int``): dynamo makes it a SymInt input the graph only
+    returns plus one. reduce-overhead compiled and captured a graph per position (23
+    compiles over 10 Mistral requests, seconds each); no tensor depends on it, so one
+    key serves every position. Tokens equal eager's, and requests after the first
+    compile and capture nothing (Mistral's every layer slides: any prompt length; Gemma2's
+    full-attention layers have a cache sized by the request: a new length is a new shape)."""
+    import transformers as T
+
+    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=256, max_position_embeddings=128, bos_token_id=1,
+                  eos_token_id=None, pad_token_id=0, sliding_window=4)
+    if family == "mistral":
+        cfg, cls = T.MistralConfig(**common), T.MistralForCausalLM
+    else:
+        cfg, cls = T.Gemma2Config(head_dim=16, **common), T.Gemma2ForCausalLM
+    torch.manual_seed(0)
+    model, ref = cls(cfg).eval(), cls(cfg).eval()
+    ref.load_state_dict(model.state_dict())
+    cc = _cc("reduce-overhead")
+    kw = dict(max_new_tokens=12, min_new_tokens=12, cache_implementation="static", pad_token_id=0)
+    seen: set[int] = set()
+    for r, length in enumerate((7, 7, 9, 13, 9)):
+        ids = torch.randint(2, 256, (1, length))
+        before = (sum(g.compiles for g in _graphs()), sum(g.captures for g in _graphs()))
+        got = model.generate(ids, do_sample=False, compile_config=cc, **kw)
+        assert torch.equal(got, ref.generate(ids, do_sample=False, **kw)), (family, r)
+        if length in seen or (family == "mistral" and r):
+            assert (sum(g.compiles for g in _graphs()), sum(g.captures for g in _graphs())) == before, \
+                (length, str(graphgear.stats()))
+        seen.add(length)
+    per_length = 1 if family == "mistral" else len(seen)
+    assert sum(g.captures for g in _graphs()) <= per_length + 1, str(graphgear.stats())
+
+
+@pytest.mark.slow
+@pytest.mark.inductor
 @torch.no_grad()
 def test_200_requests_bounded_captures_flat_rss() -> None:
     model, ref = _pair()

@@ -60,6 +60,7 @@ class GearedGraph:
         unsliceable: Sequence[UnsliceableDim] = (),
         caller_outputs: int | None = None,
         tangents: Sequence[int] = (),
+        value_only: tuple[Sequence[int], Sequence[tuple[int, Any]]] = ((), ()),
     ) -> None:
         self.info = info
         self.plan = plan
@@ -73,6 +74,11 @@ class GearedGraph:
         self.unsliceable = [u for u in unsliceable if u.output < self.caller_outputs]
         # a backward with gear padding: its tangents (see :meth:`_pad_tangents`)
         self.tangents = list(tangents)
+        # symbols no tensor depends on (``shapes.value_only_symbols``): every call runs the
+        # key of their first values, and the SymInt outputs of them are computed per call
+        self.value_only = [(i, info.locs[i].arg) for i in value_only[0]]
+        self.sym_outputs = list(value_only[1])
+        self._first: dict[int, Any] = {}
         self.mutated = list(mutated)
         self.record = record
         self.compiled: dict[tuple[int, ...], Callable[..., Any]] = {}
@@ -100,6 +106,19 @@ class GearedGraph:
         return fn
 
     def __call__(self, args: list[Any]) -> Any:
+        if not self.value_only:
+            return self._call(args)
+        real = self.info.key(args)
+        for i, j in self.value_only:  # the tensor work is the same for any value: one key
+            args[j] = self._first.setdefault(i, args[j])
+        out = self._call(args)
+        ev = self.info.size_at(real)
+        seq = list(out) if isinstance(out, list | tuple) else [out]
+        for k, v in self.sym_outputs:
+            seq[k] = ev(v)
+        return type(out)(seq) if isinstance(out, list | tuple) else seq[0]
+
+    def _call(self, args: list[Any]) -> Any:
         key = self.info.key(args)
         if self.tangents:
             grow = self._pad_tangents(args, key)

@@ -28,7 +28,7 @@ from .inputs import (
     static_input_indices,
 )
 from .passes import post_grad_pass_manager, static_pass_manager
-from .shapes import ShapeInfo, specialize
+from .shapes import ShapeInfo, specialize, value_only_symbols
 from .stats import new_record
 
 if TYPE_CHECKING:
@@ -125,6 +125,17 @@ def rebuild_graph(artifacts: ArtifactStore, config: CompilerConfig) -> Callable[
     return fn
 
 
+def _value_only(gm: fx.GraphModule, info: ShapeInfo, plan: GearPlan | None) -> tuple[list[int], list[Any]]:
+    """:func:`~graphgear.shapes.value_only_symbols` of ``gm``, but for geared symbols."""
+    symbols, outputs = value_only_symbols(gm, info)
+    geared = set(plan.sym_gears) if plan is not None else set()
+    symbols = [i for i in symbols if i not in geared]
+    if not symbols:
+        return [], []
+    kept = {info.symbols[i] for i in symbols}
+    return symbols, [(k, v) for k, v in outputs if set(v.node.expr.free_symbols) & kept]
+
+
 def _stored(ctx: CompileContext, mode: str, key: tuple[int, ...]) -> KeyArtifact | None:
     """The compile cache's code of graph key ``key``, loaded, or None (not stored, or it
     could not be loaded: then the key is compiled as usual)."""
@@ -206,6 +217,8 @@ def _compile_by_shape(
         # padded to that size, and slices the gradients it returns
         caller_outputs=ctx.caller_outputs,
         tangents=tangents,
+        # a Python int the graph only advances (no tensor depends on it): one key for all
+        value_only=_value_only(gm, info, plan) if per_key else ((), ()),
         # reduce-overhead captures on the call after its warm-up runs
         calls_to_build=ctx.config.capture_config.warmup_iters + 1 if mode == "reduce-overhead" else 1,
     )

@@ -22,7 +22,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv, statically_known_tru
 
 from ._torch import FakeTensor, FakeTensorMode, tracing, unset_fake_temporarily
 
-__all__ = ["ShapeInfo", "specialize"]
+__all__ = ["ShapeInfo", "specialize", "value_only_symbols"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +130,41 @@ def _free_symbols(v: Any) -> set[Any]:
                 out |= set(s.node.expr.free_symbols)
         return out
     return set()
+
+
+def value_only_symbols(gm: fx.GraphModule, info: ShapeInfo) -> tuple[list[int], list[tuple[int, Any]]]:
+    """Symbols read from a SymInt input that no tensor of ``gm`` depends on: in no tensor's
+    size or stride and in no argument of an op that makes a tensor (a Python int kept on
+    a module and advanced by the graph: a sliding-window cache's ``cumulative_length_int``,
+    which the graph only returns plus one). The tensor work is the same whatever their
+    values, so one specialisation serves them all; only the graph's SymInt outputs of
+    them differ. Returns their indices into ``info.symbols`` and, per such output, its
+    index among the graph's outputs and its traced value (a SymInt)."""
+    scalar = {info.symbols[i] for i, loc in enumerate(info.locs) if loc.dim is None}
+    if not scalar:
+        return [], []
+    free = set(scalar)
+    for node in gm.graph.nodes:
+        v = node.meta.get("val")
+        if node.op == "output" or isinstance(v, torch.SymInt | torch.SymBool | torch.SymFloat | int | float | bool):
+            continue  # scalar arithmetic, and what the graph returns
+        free -= _free_symbols(v)
+        if isinstance(v, list | tuple):
+            for x in v:
+                free -= _free_symbols(x)
+        for a in node.all_input_nodes:
+            free -= _free_symbols(a.meta.get("val"))
+            if isinstance(a.meta.get("val"), torch.SymBool | torch.SymFloat):
+                free -= set(a.meta["val"].node.expr.free_symbols)
+        if not free:
+            return [], []
+    out_node = next(iter(gm.graph.find_nodes(op="output")))
+    outs = out_node.args[0]
+    outs = outs if isinstance(outs, list | tuple) else [outs]
+    sym_outs = [(k, o.meta["val"]) for k, o in enumerate(outs)
+                if isinstance(o, fx.Node) and isinstance(o.meta.get("val"), torch.SymInt)
+                and free & _free_symbols(o.meta["val"])]
+    return sorted(i for i, sym in enumerate(info.symbols) if sym in free), sym_outs
 
 
 def specialize(gm: fx.GraphModule, info: ShapeInfo, key: Sequence[int]) -> tuple[fx.GraphModule, list[Any]]:
