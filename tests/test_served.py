@@ -430,6 +430,37 @@ def test_frozen_weights_written_in_place_are_seen_at_every_batch_size_without_re
     assert sum(g.compiles for g in graphgear.stats().graphs) == compiles  # no new graph key
 
 
+class _Offset(_TwoLayers):
+    """A buffer the caller writes between calls (a position counter): a static input."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__(seed)
+        self.register_buffer("shift", torch.zeros(64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + self.shift
+
+
+@pytest.mark.inductor
+@torch.no_grad()
+def test_a_buffer_written_between_calls_stays_an_input_of_frozen_code() -> None:
+    """Frozen code holds the parameters' values only: a buffer written between calls is
+    read as it is at every batch size, and writing it compiles and captures nothing."""
+    from tests.helpers import make_config
+
+    model = _Offset(0).eval()
+    f = torch.compile(model, backend=graphgear.get_backend(make_config(frozen_parameter=True)))
+    for rows in (1, 2, 4) * 3:
+        f(torch.randn(rows, 64))
+    captures = sum(g.captures for g in graphgear.stats().graphs)
+    for step in range(6):
+        model.shift.add_(1.0)
+        for rows in (1, 2, 4):
+            x = torch.randn(rows, 64)
+            assert_close(f(x), model(x), reduction=64, what=f"step {step}, {rows} rows")
+    assert sum(g.captures for g in graphgear.stats().graphs) == captures
+
+
 @pytest.mark.inductor
 @torch.no_grad()
 def test_a_served_model_deleted_and_reset_frees_its_weights() -> None:

@@ -42,10 +42,12 @@ The device graph itself (CPU, CUDA, NPU) is a small class with ``capture(args)``
 ``replay()``, ``release()``, ``nbytes``, ``args`` (the bound inputs), and the flags
 ``runs_at_capture``, ``rebindable`` and ``released``; the compiled code it runs (its
 executor) is made once per engine, or, where it holds the static inputs' values
-(``frozen`` code), once per set of static inputs. Frozen code is also made again when
-those inputs were written in place since (``load_state_dict``, an in-place update:
-their version counters moved): its captures are dropped and the key warms up and
-captures again, so every gear sees the new weights, as the uncaptured graph would.
+(``frozen`` code: the parameters' values), once per set of static inputs. Frozen code
+is also made again when those parameters were written in place since
+(``load_state_dict``, an in-place update: their version counters moved): its captures
+are dropped and the key warms up and captures again, so every gear sees the new
+weights, as the uncaptured graph would. Static buffers stay inputs of frozen code, so
+writing one between calls (a position counter) recompiles nothing.
 
 **reset from another thread** (``graphgear.reset()`` while a thread is inside a call):
 the call completes correctly. A replay whose graph was released before it ran runs the
@@ -155,12 +157,20 @@ class _Entry:
     # frozen_parameter: the static inputs the key names by identity, held so that their
     # ids stay theirs while the capture lives
     statics: tuple[Any, ...] = ()
-    # frozen code: the static inputs' version counters when its code was made
+    # frozen code: the parameters among ``statics`` (what it holds the values of: other
+    # static inputs stay inputs) and their version counters when its code was made
+    params: tuple[Any, ...] = ()
     versions: tuple[int, ...] = ()
 
 
 _DATA_PTR = torch.Tensor.data_ptr  # (a method descriptor: map calls it without a Python frame)
 _VERSION = torch.Tensor._version.__get__  # (a getset descriptor's getter: the same)
+
+
+def _parameters(statics: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The ``nn.Parameter``s among static inputs: what frozen code holds the values of
+    (buffers and static-address state stay inputs, and may be written between calls)."""
+    return tuple(t for t in statics if isinstance(t, torch.nn.Parameter))
 
 
 def _same_memory(a: torch.Tensor, bound: torch.Tensor) -> bool:
@@ -294,8 +304,9 @@ class CaptureEngine:
             e = self._new_entry(key)
             if self.key_by_identity:
                 e.statics = self._statics(args)
+                e.params = _parameters(e.statics)
         g = e.graph
-        if self.frozen and g is not None and tuple(map(_VERSION, e.statics)) != e.versions:
+        if self.frozen and g is not None and tuple(map(_VERSION, e.params)) != e.versions:
             e, g = self._weights_written(key, args), None
         if g is None:
             if e.uncaptured:
@@ -349,6 +360,7 @@ class CaptureEngine:
                     del self.entries[k]
         e = self._new_entry(key)
         e.statics = self._statics(args)
+        e.params = _parameters(e.statics)
         return e
 
     def _run_uncaptured(self, args: list[Any]) -> list[Any]:
@@ -396,8 +408,8 @@ class CaptureEngine:
     def _executor_for(self, args: list[Any]) -> Any:
         which = self._static_key(args) if self.frozen else ()
         statics = self._statics(args) if self.frozen else ()
-        # frozen code holds the values the static inputs had: made again once written
-        versions = tuple(map(_VERSION, statics))
+        # frozen code holds the values the parameters had: made again once written
+        versions = tuple(map(_VERSION, _parameters(statics)))
         made = self._executors.get(which)
         if made is None or made[2] != versions:
             # dynamo's compile lock first, then this engine's (the order dispatch uses)
@@ -474,7 +486,7 @@ class CaptureEngine:
         self.pool.invalidate(self._stale)
         if not self.clone_output and liveness.poisoner() is None:
             self._enter_safe_mode()
-        e.versions = tuple(map(_VERSION, e.statics)) if self.frozen else ()
+        e.versions = tuple(map(_VERSION, e.params)) if self.frozen else ()
         graph = self._device_graph(bound)
         snapshot = ({i: args[i].clone() for i in self.mutated_idx if isinstance(args[i], torch.Tensor)}
                     if graph.runs_at_capture else {})
