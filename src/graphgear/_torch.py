@@ -130,6 +130,8 @@ __all__ = [
     "aot_module_simplified",
     "aot_partition_fn",
     "backend_compiler_failed",
+    "aot_forward_returns",
+    "aot_tangents",
     "count_tangents",
     "decomp_fused_rms_norm",
     "decomp_fused_rms_norm_backward",
@@ -678,7 +680,6 @@ def inductor_replace_random(gm: torch.fx.GraphModule, example_inputs: Sequence[A
     moved, such graphs fail to compile as before (max-autotune raises Inductor's error,
     a capture falls back to the uncompiled graph). Its rewrites trace replacements in
     Inductor's virtualized fake mode (``V.set_fake_mode``): the example inputs'."""
-    from torch._guards import detect_fake_mode
     from torch._inductor.fx_passes.replace_random import replace_random_passes
     from torch._inductor.virtualized import V
 
@@ -811,6 +812,28 @@ def inductor_mark_frozen(gm: torch.fx.GraphModule, names: Sequence[str]) -> None
             continue
         t._is_frozen_param = True  # type: ignore[attr-defined]
     record_has_frozen_params(gm)
+
+
+def aot_forward_returns() -> int | None:
+    """How many outputs of the training forward graph AOTAutograd is compiling now return
+    to its caller (mutated inputs' new values, the user's outputs, RNG offsets); the
+    ones after them are saved for the backward. None where no compile says.
+
+    ``TracingContext.fw_metadata.num_forward`` (``ViewAndMutationMeta``): checked on 2.13
+    (2.11 to 2.14). If it went, a padded training forward would slice its saved
+    activations too, and its backward would refuse the call (sizes differ)."""
+    ctx = TracingContext.try_get()
+    meta = getattr(ctx, "fw_metadata", None) if ctx is not None else None
+    n = getattr(meta, "num_forward", None)
+    return n if isinstance(n, int) else None
+
+
+def aot_tangents(gm: torch.fx.GraphModule) -> list[int]:
+    """Indices of a backward graph's tangents (the gradients of the forward's outputs).
+
+    AOTAutograd names them ``tangents_*``, the rule Inductor's ``count_tangents`` reads:
+    checked on 2.13 (2.11 to 2.14)."""
+    return [i for i, p in enumerate(gm.graph.find_nodes(op="placeholder")) if "tangents" in p.name]
 
 
 def count_tangents(gm: torch.fx.GraphModule) -> int:

@@ -185,22 +185,6 @@ def static_input_indices(num_inputs: int) -> list[int]:
     return [i for i in idx if i < num_inputs]
 
 
-def forward_outputs_for_caller() -> int | None:
-    """How many of the training forward graph AOTAutograd is compiling now return to its
-    caller (mutated inputs' new values, the user's outputs, RNG offsets); the outputs
-    after them are saved for the backward. None where AOTAutograd does not say."""
-    ctx = TracingContext.try_get()
-    meta = getattr(ctx, "fw_metadata", None) if ctx is not None else None
-    n = getattr(meta, "num_forward", None)
-    return n if isinstance(n, int) else None
-
-
-def backward_tangents(gm: fx.GraphModule) -> list[int]:
-    """Indices of a backward graph's tangents (the gradients of the forward's outputs),
-    named ``tangents_*`` by AOTAutograd (the rule Inductor's ``count_tangents`` reads)."""
-    return [i for i, p in enumerate(gm.graph.find_nodes(op="placeholder")) if "tangents" in p.name]
-
-
 def mutated_placeholders(gm: fx.GraphModule) -> list[int]:
     """Indices of placeholders written in place by the graph (KV caches)."""
     placeholders = list(gm.graph.find_nodes(op="placeholder"))

@@ -14,19 +14,13 @@ from typing import TYPE_CHECKING, Any
 from torch import fx
 
 from . import debug
-from ._torch import is_boxed, make_boxed_func
+from ._torch import aot_forward_returns, aot_tangents, is_boxed, make_boxed_func
 from .compilers import MODE_COMPILERS, op_support
 from .config import mode_of
 from .context import CompileContext
 from .dispatch import GearedGraph, output_specs, unsliceable_outputs
 from .gears import GearPlan
-from .inputs import (
-    aot_input_names,
-    backward_tangents,
-    forward_outputs_for_caller,
-    mutated_placeholders,
-    static_input_indices,
-)
+from .inputs import aot_input_names, mutated_placeholders, static_input_indices
 from .passes import post_grad_pass_manager, static_pass_manager
 from .shapes import ShapeInfo, specialize, value_only_symbols
 from .stats import new_record
@@ -84,7 +78,7 @@ def compile_graph(
         mutated_inputs=mutated_placeholders(gm),
         artifacts=artifacts,
         frozen_copies=frozen_copies,
-        caller_outputs=forward_outputs_for_caller() if stage == "forward" else None,
+        caller_outputs=aot_forward_returns() if stage == "forward" else None,
     )
     if artifacts is not None:
         artifacts.keep_graph(gm, example_inputs, {
@@ -176,7 +170,7 @@ def _compile_by_shape(
             "once with dynamic shapes instead of once per key"
         )
         per_key = False
-    tangents = backward_tangents(gm) if ctx.stage == "backward" and ctx.config.inference_config.gear_padding else []
+    tangents = aot_tangents(gm) if ctx.stage == "backward" and ctx.config.inference_config.gear_padding else []
     if not per_key:
         whole = compiler(gm, example_inputs, ctx)  # dynamic: one code for every size, not stored
         if plan is None and not tangents:
