@@ -189,6 +189,7 @@ __all__ = [
     "storage_poisoner_builtin",
     "storage_use_count",
     "tensor_use_count",
+    "tensor_version",
     "tracing",
     "unset_fake_temporarily",
 ]
@@ -247,6 +248,13 @@ def storage_use_count(cdata: int) -> int:
     outputs from live ones with it). If it went, graphgear could not hand an unreferenced
     output out again and would make a new alias each replay (``capture/liveness``)."""
     return torch._C._storage_Use_Count(cdata)
+
+
+#: ``t._version``, the version counter every in-place write of ``t``'s data advances,
+#: as a plain function (a getset descriptor's getter: ``map`` calls it without a Python
+#: frame). ``Tensor._version``: checked on 2.13 (autograd's own check of saved tensors
+#: reads it, 2.0 to 2.14). If it went, frozen code would not see weights written in place.
+tensor_version = torch.Tensor._version.__get__
 
 
 def tensor_use_count(t: torch.Tensor) -> int:

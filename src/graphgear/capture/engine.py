@@ -70,7 +70,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import fx
 
-from .._torch import StorageWeakRef, boxed_convention, compile_session, has_internal_overlap
+from .._torch import StorageWeakRef, boxed_convention, compile_session, has_internal_overlap, tensor_version
 from ..dispatch import precompiling
 from ..errors import CaptureError
 from ..stats import register_release
@@ -164,7 +164,7 @@ class _Entry:
 
 
 _DATA_PTR = torch.Tensor.data_ptr  # (a method descriptor: map calls it without a Python frame)
-_VERSION = torch.Tensor._version.__get__  # (a getset descriptor's getter: the same)
+_VERSION = tensor_version  # (map calls it without a Python frame)
 
 
 def _parameters(statics: tuple[Any, ...]) -> tuple[Any, ...]:
