@@ -494,6 +494,32 @@ def test_a_python_int_the_graph_only_advances_is_one_key(scale: bool) -> None:
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
+def test_a_python_int_that_reaches_values_stops_compiling_after_a_few_values(mode: str) -> None:
+    """An int that changes every call and reaches a tensor's values is a graph key per
+    value: a compile per call (seconds each; torch.compile makes it dynamic instead).
+    Past SCALAR_KEYS values per shape, new values run the graph uncompiled, with one
+    warning naming the input and the fix; every result equals eager's."""
+    from graphgear.dispatch import SCALAR_KEYS
+
+    model, ref = _Stepper(True), _Stepper(True)
+    ref.load_state_dict(model.state_dict())
+    gears = {0: [2, 4]}
+    f = torch.compile(model, backend=_ro(mode))
+    mine, theirs = _Position(), _Position()
+    with pytest.warns(UserWarning, match="took more than 8 values") as caught:
+        for i in range(SCALAR_KEYS + 12):
+            x = torch.randn(2 if i % 2 else 4, 8)
+            graphgear.set_dim_gears(x, gears)
+            assert_close(f(x, mine), ref(x, theirs), reduction=8)
+    assert mine.n == theirs.n == SCALAR_KEYS + 12
+    assert sum("took more than" in str(w.message) for w in caught) == 1
+    dynamic = graphgear.stats().graphs[-1]
+    assert dynamic.compiles <= 2 * SCALAR_KEYS, str(graphgear.stats())  # two shapes
+    assert dynamic.uncaptured_runs >= 2 and any("Python int" in f[1] for f in dynamic.fallbacks)
+
+
+@torch.no_grad()
 def test_expanded_input_is_copied_densely() -> None:
     net = Net()
     f = torch.compile(net, backend=_ro(warmup_iters=0))

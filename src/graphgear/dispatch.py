@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import logging
 import threading
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,7 +21,13 @@ from .errors import GearError
 from .gears import GearPlan
 from .shapes import ShapeInfo
 
-__all__ = ["GearedGraph", "UnsliceableDim", "output_specs", "precompile_gears", "unsliceable_outputs"]
+log = logging.getLogger(__name__)
+
+#: distinct values of a graph's Python int inputs (per shape) compiled before new ones
+#: run uncompiled: an int that changes every call would otherwise compile every call
+SCALAR_KEYS = 8
+
+__all__ = ["SCALAR_KEYS", "GearedGraph", "UnsliceableDim", "output_specs", "precompile_gears", "unsliceable_outputs"]
 
 
 # Set by precompile_gears around its one call of the compiled model, read by the
@@ -61,6 +69,8 @@ class GearedGraph:
         caller_outputs: int | None = None,
         tangents: Sequence[int] = (),
         value_only: tuple[Sequence[int], Sequence[tuple[int, Any]]] = ((), ()),
+        scalars: Sequence[int] = (),
+        uncompiled: Callable[[list[Any]], Any] | None = None,
     ) -> None:
         self.info = info
         self.plan = plan
@@ -79,6 +89,13 @@ class GearedGraph:
         self.value_only = [(i, info.locs[i].arg) for i in value_only[0]]
         self.sym_outputs = list(value_only[1])
         self._first: dict[int, Any] = {}
+        # symbols read from Python ints that reach tensor values (not shapes): each value
+        # is a key of its own; past SCALAR_KEYS values per shape the graph runs as it is
+        # (``uncompiled``) instead of compiling once more per value
+        self.scalars = [i for i in scalars if i not in {i for i, _ in self.value_only}]
+        self.uncompiled = uncompiled
+        self._scalar_values: dict[tuple[int, ...], set[tuple[int, ...]]] = {}
+        self._storm_warned = False
         self.mutated = list(mutated)
         self.record = record
         self.compiled: dict[tuple[int, ...], Callable[..., Any]] = {}
@@ -95,6 +112,8 @@ class GearedGraph:
 
     def _get(self, key: tuple[int, ...]) -> Callable[..., Any]:
         fn = self.compiled.get(key)
+        if fn is None and self.scalars and self.uncompiled is not None and self._scalar_storm(key):
+            return self.uncompiled
         if fn is None:
             # a run-time compile holds what dynamo holds around its own (see
             # ``compile_session``): other threads' calls wait instead of being refused
@@ -104,6 +123,29 @@ class GearedGraph:
                     fn = self.build(key)
                     self.compiled[key] = fn
         return fn
+
+    def _scalar_storm(self, key: tuple[int, ...]) -> bool:
+        """Whether ``key`` is one more value of the Python ints in :attr:`scalars` past
+        :data:`SCALAR_KEYS` for its shapes (then it runs uncompiled, with one warning)."""
+        scalars = set(self.scalars)
+        shape = tuple(v for i, v in enumerate(key) if i not in scalars)
+        value = tuple(key[i] for i in self.scalars)
+        with self._lock:
+            seen = self._scalar_values.setdefault(shape, set())
+            if value in seen or len(seen) < SCALAR_KEYS:
+                seen.add(value)
+                return False
+        if not self._storm_warned:
+            self._storm_warned = True
+            names = ", ".join(repr(self.info.placeholders[self.info.locs[i].arg].name) for i in self.scalars)
+            reason = (f"Python int input(s) {names} took more than {SCALAR_KEYS} values, each a graph "
+                      f"key of its own (a compile each); new values now run the graph uncompiled")
+            self.record.add_fallback("graph key", reason)
+            msg = (f"graphgear: {self.record.name}: {reason}. Pass such a number as a tensor "
+                   f"(torch.tensor(n)) to compile once, or keep it constant.")
+            warnings.warn(msg, UserWarning, stacklevel=2)
+            log.warning(msg)
+        return True
 
     def __call__(self, args: list[Any]) -> Any:
         if not self.value_only:

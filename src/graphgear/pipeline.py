@@ -119,6 +119,15 @@ def rebuild_graph(artifacts: ArtifactStore, config: CompilerConfig) -> Callable[
     return fn
 
 
+def _uncompiled(gm: fx.GraphModule, record: Any) -> Callable[[list[Any]], Any]:
+    """``gm`` run as it is (boxed), counted as uncaptured runs."""
+    def run(args: list[Any]) -> Any:
+        record.uncaptured_runs += 1
+        return gm(*args)
+
+    return run
+
+
 def _value_only(gm: fx.GraphModule, info: ShapeInfo, plan: GearPlan | None) -> tuple[list[int], list[Any]]:
     """:func:`~graphgear.shapes.value_only_symbols` of ``gm``, but for geared symbols."""
     symbols, outputs = value_only_symbols(gm, info)
@@ -197,6 +206,8 @@ def _compile_by_shape(
             log.info("graphgear: %s specialised to key %s", ctx.record.name, key)
             return fn
 
+    value_only = _value_only(gm, info, plan) if per_key else ((), ())
+    geared_syms = set(plan.sym_gears) if plan is not None else set()
     geared = GearedGraph(
         info,
         plan,
@@ -212,7 +223,10 @@ def _compile_by_shape(
         caller_outputs=ctx.caller_outputs,
         tangents=tangents,
         # a Python int the graph only advances (no tensor depends on it): one key for all
-        value_only=_value_only(gm, info, plan) if per_key else ((), ()),
+        value_only=value_only,
+        # Python ints that reach tensor values: past a few values, run the graph as it is
+        scalars=[i for i, loc in enumerate(info.locs) if loc.dim is None and i not in geared_syms] if per_key else (),
+        uncompiled=_uncompiled(gm, ctx.record),
         # reduce-overhead captures on the call after its warm-up runs
         calls_to_build=ctx.config.capture_config.warmup_iters + 1 if mode == "reduce-overhead" else 1,
     )
