@@ -351,6 +351,14 @@ def test_weights_loaded_into_a_served_model_are_served_at_every_batch_size() -> 
         x = torch.randn(rows, 64)
         assert_close(f(x), model(x), reduction=64, what=f"{rows} rows after a submodule's load")
     assert f.reserves == 2
+    # through the served model: the model's own keys (torch.compile's wrapper wants them
+    # prefixed with "_orig_mod.")
+    assert list(f.state_dict()) == list(model.state_dict())
+    f.load_state_dict(_TwoLayers(3).state_dict())
+    for rows in (1, 2):
+        x = torch.randn(rows, 64)
+        assert_close(f(x), _TwoLayers(3)(x), reduction=64, what=f"{rows} rows after the served model's load")
+    assert f.reserves == 3
 
 
 @pytest.mark.inductor

@@ -28,7 +28,8 @@ from ``torch.compile``'s:
   evaluation), code whose function was changed since, a torch that cannot list dynamo's
   cache entries for the compile's ``isolate_recompiles`` region.
 
-``direct_calls`` and ``dynamo_calls`` count the two paths. Everything else (attributes,
+``direct_calls`` and ``dynamo_calls`` count the two paths. ``state_dict`` and
+``load_state_dict`` are the model's (its own keys); everything else (attributes,
 ``eval()``, ``generate``) is the compiled object's (``torch.compile``'s result).
 
 Weights loaded into the served model (``load_state_dict`` on it or on any of its
@@ -272,6 +273,21 @@ class ServedModel:
         target = copy.deepcopy(self._target, memo)
         return ServedModel(self._compile_again(target), target, direct=self._wanted_direct, frozen=self._frozen,
                            compile_again=self._compile_again)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """The served model's ``state_dict`` (its own keys; ``torch.compile``'s wrapper
+        would prefix them with ``_orig_mod.``)."""
+        if self._module is None:
+            return self._compiled.state_dict(*args, **kwargs)
+        return self._module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, *args: Any, **kwargs: Any) -> Any:
+        """Load into the served model (``model.load_state_dict``: the keys of
+        ``model.state_dict()``); its next call compiles it again, as for a load into the
+        model itself."""
+        if self._module is None:
+            return self._compiled.load_state_dict(state_dict, *args, **kwargs)
+        return self._module.load_state_dict(state_dict, *args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") or name in ("_compiled", "_module", "_fn", "_target", "_compile_again"):
