@@ -22,7 +22,7 @@ from .dispatch import GearedGraph, output_specs, unsliceable_outputs
 from .gears import GearPlan
 from .inputs import aot_input_names, mutated_placeholders, static_input_indices
 from .passes import post_grad_pass_manager, static_pass_manager
-from .shapes import ShapeInfo, specialize, value_only_symbols
+from .shapes import ShapeInfo, scalar_symbols, specialize, value_only_symbols
 from .stats import new_record
 
 if TYPE_CHECKING:
@@ -225,7 +225,7 @@ def _compile_by_shape(
         # a Python int the graph only advances (no tensor depends on it): one key for all
         value_only=value_only,
         # Python ints that reach tensor values: past a few values, run the graph as it is
-        scalars=[i for i, loc in enumerate(info.locs) if loc.dim is None and i not in geared_syms] if per_key else (),
+        scalars=[i for i in scalar_symbols(info) if i not in geared_syms] if per_key else (),
         uncompiled=_uncompiled(gm, ctx.record),
         # reduce-overhead captures on the call after its warm-up runs
         calls_to_build=ctx.config.capture_config.warmup_iters + 1 if mode == "reduce-overhead" else 1,

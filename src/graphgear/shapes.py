@@ -22,7 +22,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv, statically_known_tru
 
 from ._torch import FakeTensor, FakeTensorMode, tracing, unset_fake_temporarily
 
-__all__ = ["ShapeInfo", "specialize", "value_only_symbols"]
+__all__ = ["ShapeInfo", "scalar_symbols", "specialize", "value_only_symbols"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +132,16 @@ def _free_symbols(v: Any) -> set[Any]:
     return set()
 
 
+def scalar_symbols(info: ShapeInfo) -> list[int]:
+    """Indices (into ``info.symbols``) of the symbols of Python int inputs (SymInt
+    placeholders) that no tensor input's size or stride carries: numbers, not shapes."""
+    shaped: set[Any] = set()
+    for v in info.vals:
+        if isinstance(v, torch.Tensor):
+            shaped |= _free_symbols(v)
+    return [i for i, loc in enumerate(info.locs) if loc.dim is None and info.symbols[i] not in shaped]
+
+
 def value_only_symbols(gm: fx.GraphModule, info: ShapeInfo) -> tuple[list[int], list[tuple[int, Any]]]:
     """Symbols read from a SymInt input that no tensor of ``gm`` depends on: in no tensor's
     size or stride and in no argument of an op that makes a tensor (a Python int kept on
@@ -140,7 +150,7 @@ def value_only_symbols(gm: fx.GraphModule, info: ShapeInfo) -> tuple[list[int], 
     values, so one specialisation serves them all; only the graph's SymInt outputs of
     them differ. Returns their indices into ``info.symbols`` and, per such output, its
     index among the graph's outputs and its traced value (a SymInt)."""
-    scalar = {info.symbols[i] for i, loc in enumerate(info.locs) if loc.dim is None}
+    scalar = {info.symbols[i] for i in scalar_symbols(info)}
     if not scalar:
         return [], []
     free = set(scalar)
