@@ -136,7 +136,10 @@ def _value_only(gm: fx.GraphModule, info: ShapeInfo, plan: GearPlan | None) -> t
     if not symbols:
         return [], []
     kept = {info.symbols[i] for i in symbols}
-    return symbols, [(k, v) for k, v in outputs if set(v.node.expr.free_symbols) & kept]
+    outputs = [(k, v) for k, v in outputs if set(v.node.expr.free_symbols) & kept]
+    if any(not set(v.node.expr.free_symbols) <= set(info.symbols) for _, v in outputs):
+        return [], []  # an output of a symbol no input gives (data-dependent): per value
+    return symbols, outputs
 
 
 def _stored(ctx: CompileContext, mode: str, key: tuple[int, ...]) -> KeyArtifact | None:
