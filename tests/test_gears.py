@@ -257,6 +257,101 @@ def test_padding_keeps_padded_mutated_input_in_place(mode: str) -> None:
         assert g.captures == 1
 
 
+_READ_ACROSS = {
+    "flip": (lambda x: x.flip(0) * 2, "along a padded dim"),
+    "softmax": (lambda x: x.softmax(0), "padded dim"),
+    "sum": (lambda x: x.sum(0) + 1, "sum"),
+    "contraction": (lambda x: x.t() @ x, "contracts over a padded dim"),
+    "size-as-value": (lambda x: x * x.shape[0], "uses the padded size as a value"),
+    "tensor-of-size": (lambda x: x + torch.tensor(x.shape[0]), "uses the padded size as a value"),
+    "last-two": (lambda x: x[-2:].sum(), "from its end"),
+    "last-row": (lambda x: x[-1] * 2, "indexes from the end of a padded dim"),
+}
+
+
+@pytest.mark.parametrize("mode", ["max-autotune", "reduce-overhead"])
+@pytest.mark.parametrize("case", sorted(_READ_ACROSS))
+def test_padding_refuses_a_graph_whose_real_rows_read_the_padded_ones(mode: str, case: str) -> None:
+    """Padding is exact only where real rows depend on real rows alone. A graph that
+    reduces, reorders or contracts over the padded dim, counts from its end, or uses its
+    size as a number gave silently wrong values at a padded size (a flip returned the
+    pad's zeros, ``x * n`` the gear's n); now such a call raises GearError naming the
+    node, before any work, and sizes that are gears still run."""
+    fn, what = _READ_ACROSS[case]
+    compiled = torch.compile(fn, backend=make_backend(mode, gear_padding=True))
+    with torch.no_grad():
+        x = geared(torch.randn(4, 4), {0: [2, 4, 8]})
+        assert_close(compiled(x), fn(x), reduction=8)
+        with pytest.raises(GearError) as e:
+            compiled(geared(torch.randn(3, 4), {0: [2, 4, 8]}))
+        msg = str(e.value)
+        assert what in msg and "input 'x' dim 0 has size 3, padded to gear 4" in msg and "gear_padding" in msg
+        x = geared(torch.randn(8, 4), {0: [2, 4, 8]})
+        assert_close(compiled(x), fn(x), reduction=8)
+
+
+@pytest.mark.parametrize("mode", ["max-autotune", "reduce-overhead"])
+def test_padding_returns_python_int_outputs_at_the_real_size(mode: str) -> None:
+    """An int the graph returns from the padded size came back as the gear's (8, not 6)."""
+    def fn(x):
+        return torch.relu(x), x.shape[0] * 2
+
+    compiled = torch.compile(fn, backend=make_backend(mode, gear_padding=True))
+    for n in (4, 3, 3, 1):
+        x = geared(torch.randn(n, 4), {0: [2, 4, 8]})
+        out, size = compiled(x)
+        assert size == 2 * n and out.shape == (n, 4)
+        assert_close(out, torch.relu(x), reduction=1)
+
+
+@pytest.mark.parametrize("mode", ["max-autotune", "reduce-overhead"])
+def test_padding_a_transposed_input(mode: str) -> None:
+    """A transposed input was padded into a contiguous buffer: Inductor's code for the
+    gear, compiled for the transposed strides, failed its stride assertion."""
+    def fn(x):
+        return x * 2 + 1
+
+    compiled = torch.compile(fn, backend=make_backend(mode, gear_padding=True))
+    for n in (4, 3, 3):
+        x = torch.randn(5, n).t()
+        graphgear.set_dim_gears(x, {0: [2, 4, 8]})
+        assert_close(compiled(x), fn(x), reduction=1)
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    """Attention written out over [batch, seq, dim], with or without a causal mask."""
+    scores = q @ k.transpose(-1, -2) / 2.0
+    if causal:
+        n = q.shape[-2]
+        pos = torch.arange(n)
+        scores = scores.masked_fill(pos[None, :] > pos[:, None], float("-inf"))
+    return scores.softmax(-1) @ v
+
+
+@pytest.mark.parametrize("mode", ["max-autotune", "reduce-overhead"])
+def test_padding_a_sequence_through_attention(mode: str) -> None:
+    """Attention over a padded sequence is exact when a mask keeps real queries off the
+    padded keys: a causal mask (written out, or ``is_causal`` in SDPA) runs padded and
+    equals eager; the same attention unmasked is refused."""
+    F = torch.nn.functional
+    cases = {
+        "causal": (lambda q, k, v: _attention(q, k, v, True), None),
+        "sdpa-causal": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), None),
+        "unmasked": (lambda q, k, v: _attention(q, k, v, False), "padded dim"),
+        "sdpa-unmasked": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v), "padded"),
+    }
+    for name, (fn, refused) in cases.items():
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, backend=make_backend(mode, gear_padding=True))
+        for n in (8, 5):
+            q, k, v = (geared(torch.randn(2, n, 4), {1: [4, 8]}) for _ in range(3))
+            if refused and n == 5:
+                with pytest.raises(GearError, match=refused):
+                    compiled(q, k, v)
+                continue
+            assert_close(compiled(q, k, v), fn(q, k, v), reduction=16, what=f"{name} at {n}")
+
+
 # ------------------------------------------------------------ transformers Llama
 
 

@@ -22,7 +22,8 @@ LAYERS: list[set[str]] = [
     {"graphgear.errors", "graphgear._torch", "graphgear.cachedir", "graphgear.toy_decoder",
      "graphgear.toy_decoder_tp"},
     {"graphgear.config", "graphgear.stats", "graphgear.debug", "graphgear.context"},
-    {"graphgear.shapes", "graphgear.inputs", "graphgear.gears", "graphgear.dispatch", "graphgear.artifacts"},
+    {"graphgear.shapes", "graphgear.inputs", "graphgear.gears", "graphgear.padding", "graphgear.dispatch",
+     "graphgear.artifacts"},
     {"graphgear.capture"},
     {"graphgear.kernels"},  # graphgear's own C++ kernels: the passes and compilers put them in graphs
     {"graphgear.passes"},

@@ -19,6 +19,7 @@ from tqdm import tqdm
 from ._torch import boxed_convention, compile_session
 from .errors import GearError
 from .gears import GearPlan
+from .padding import PaddingHazard
 from .shapes import ShapeInfo
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,8 @@ class GearedGraph:
         record: Any,
         calls_to_build: int = 1,
         unsliceable: Sequence[UnsliceableDim] = (),
+        hazards: Sequence[PaddingHazard] = (),
+        size_outputs: Sequence[tuple[int, Any]] = (),
         caller_outputs: int | None = None,
         tangents: Sequence[int] = (),
         value_only: tuple[Sequence[int], Sequence[tuple[int, Any]]] = ((), ()),
@@ -82,6 +85,11 @@ class GearedGraph:
         self.caller_outputs = len(out_specs) if caller_outputs is None else caller_outputs
         # output dims whose size is an expression of one (only the caller's are sliced)
         self.unsliceable = [u for u in unsliceable if u.output < self.caller_outputs]
+        # nodes whose results padding changes (``padding.padding_hazards``): a padded call
+        # that grows one of their symbols is refused
+        self.hazards = list(hazards)
+        # outputs that are Python ints of the sizes: a padded call returns them at the real sizes
+        self.size_outputs = [(k, v) for k, v in size_outputs if k < self.caller_outputs]
         # a backward with gear padding: its tangents (see :meth:`_pad_tangents`)
         self.tangents = list(tangents)
         # symbols no tensor depends on (``shapes.value_only_symbols``): every call runs the
@@ -179,13 +187,19 @@ class GearedGraph:
         info = self.info
         grow = {i: (key[i], target[i]) for i in range(len(key)) if key[i] != target[i]}
         self._check_sliceable(key, target, grow)
+        self._check_hazards(grow)
         padded: list[int] = []
+        strides = info.size_at(target)
 
         def pad(j: int, a: torch.Tensor, shape: list[int]) -> torch.Tensor:
             k = (threading.get_ident(), j, target)
             p = self._pad_buffers.get(k)
             if p is None or list(p.shape) != shape or p.dtype != a.dtype or p.device != a.device:
-                p = a.new_zeros(shape)
+                # the gear's strides: its code was compiled for them (a transposed input
+                # padded into a contiguous buffer fails Inductor's stride assertion)
+                v = info.vals[j]
+                p = torch.empty_strided(shape, [strides(x) for x in v.stride()], dtype=a.dtype,
+                                        device=a.device).zero_()
                 self._pad_buffers[k] = p
             else:
                 p.zero_()
@@ -198,7 +212,33 @@ class GearedGraph:
         for j in padded:
             if j in self.mutated:  # write the real rows back into the caller's tensor
                 args[j].copy_(new_args[j][tuple(slice(0, n) for n in args[j].shape)])
-        return self._slice_outputs(out, grow)
+        out = self._slice_outputs(out, grow)
+        if self.size_outputs:
+            ev = info.size_at(key)
+            seq = list(out) if isinstance(out, list | tuple) else [out]
+            for k, v in self.size_outputs:
+                seq[k] = ev(v)
+            out = type(out)(seq) if isinstance(out, list | tuple) else seq[0]
+        return out
+
+    def _check_hazards(self, grow: dict[int, tuple[int, int]]) -> None:
+        """Refuse, before any work, a padded call whose graph reads across the padded
+        rows or uses the padded size as a value (``padding.padding_hazards``)."""
+        for h in self.hazards:
+            hit = sorted(i for i in h.symbols if i in grow)
+            if not hit:
+                continue
+            assert self.plan is not None
+            padded = "; ".join(
+                f"input {self.plan.where[i][0]!r} dim {self.plan.where[i][1]} has size {grow[i][0]}, "
+                f"padded to gear {grow[i][1]}" for i in hit)
+            gears = ", ".join(
+                f"{self.plan.where[i][0]!r} dim {self.plan.where[i][1]}: {self.plan.sym_gears[i]}" for i in hit)
+            raise GearError(
+                f"graphgear: gear padding cannot run this call of {self.record.name}: {padded}, but "
+                f"node {h.node} ({h.target}) {h.reason}, so the padded rows would change the "
+                f"real results. Pass sizes that are gears ({gears}), or turn padding off "
+                "(config.inference_config.gear_padding = False).")
 
     def _pad_tangents(self, args: list[Any], key: tuple[int, ...]) -> dict[int, tuple[int, int]]:
         """The backward of a forward that ran padded: its saved activations (read first:

@@ -21,6 +21,7 @@ from .context import CompileContext
 from .dispatch import GearedGraph, output_specs, unsliceable_outputs
 from .gears import GearPlan
 from .inputs import aot_input_names, mutated_placeholders, static_input_indices
+from .padding import padding_hazards, sym_outputs
 from .passes import post_grad_pass_manager, static_pass_manager
 from .shapes import ShapeInfo, scalar_symbols, specialize, value_only_symbols
 from .stats import new_record
@@ -218,6 +219,8 @@ def _compile_by_shape(
         padding=ctx.config.inference_config.gear_padding,
         out_specs=output_specs(gm, info),
         unsliceable=unsliceable_outputs(gm, info),
+        hazards=padding_hazards(gm, info.symbols, geared_syms) if ctx.config.inference_config.gear_padding else (),
+        size_outputs=sym_outputs(gm),
         mutated=ctx.mutated_inputs,
         record=ctx.record,
         # training: a padded forward returns the caller's outputs sliced and keeps the
