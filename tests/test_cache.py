@@ -344,3 +344,28 @@ def test_plain_function_in_process_hit_and_cli(tmp_path: Path, capsys: pytest.Ca
     assert "2 entries" in capsys.readouterr().out  # one more for the requires_grad input spec
     assert cli_main(["cache", "clear", str(folder)]) == 0
     assert _entries(folder) == []
+
+
+@pytest.mark.slow
+def test_an_edited_generated_module_is_replaced_by_the_verified_source(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An entry's generated module edited on disk in Inductor's code cache was refused,
+    and the key compiled again: Inductor's compile gave the same path and imported the
+    edited file, so the edited code ran (a probe's edit of a constant: outputs 0.64 off,
+    stats said "hit"). Now the verified source is written over it and loaded."""
+    inductor = tmp_path / "inductor"
+    inductor.mkdir(mode=0o700)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(inductor))
+    folder = tmp_path / "gg"
+    folder.mkdir(mode=0o700)
+    first = _worker(folder)
+    edited = 0
+    for f in inductor.rglob("*.py"):
+        text = f.read_text()
+        if "def call(" in text:
+            f.write_text(text + "\nraise RuntimeError('edited module imported')\n")
+            edited += 1
+    assert edited
+    second = _worker(folder)
+    assert second["cache"] == ["hit"] and second["sha"] == first["sha"], second["log"][-4000:]
+    assert "writing the verified source over it" in second["log"]

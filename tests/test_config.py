@@ -119,3 +119,15 @@ def test_backends_do_not_share_config() -> None:
 def test_get_backend_rejects_wrong_config_type() -> None:
     with pytest.raises(TypeError, match="graphgear.CompilerConfig"):
         graphgear.get_backend(compiler_config={"mode": "reduce-overhead"})
+
+
+def test_a_list_given_to_disabled_passes_stays_the_callers() -> None:
+    """The list assigned was stored as is: appending to it later changed the config, its
+    copies and every backend made from it, past validation (found by a probe)."""
+    names = ["fold_repeat_kv"]
+    c = CompilerConfig()
+    c.experimental_config.disabled_passes = names
+    copied = c.copy()
+    names.append("no such pass")
+    assert c.experimental_config.disabled_passes == ("fold_repeat_kv",)
+    assert copied.experimental_config.disabled_passes == ("fold_repeat_kv",)

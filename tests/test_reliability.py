@@ -1253,3 +1253,23 @@ def test_item19_decoder_training_gradients_at_one_and_two_threads() -> None:
     finally:
         torch.set_num_threads(before)
         graphgear.reset()
+
+
+def test_a_process_that_exits_after_replays_prints_no_shutdown_errors() -> None:
+    """Weak storage references collected at interpreter exit printed "Exception ignored
+    in StorageWeakRef.__del__ ... 'NoneType' object has no attribute 'UntypedStorage'"
+    (module globals already cleared) after every script that replayed a graph."""
+    child = (
+        "import torch, graphgear\n"
+        "def fb(x):\n"
+        "    y = torch.sin(x) + 1\n"
+        "    torch._dynamo.graph_break()\n"
+        "    return y, torch.cos(y) * 2\n"
+        "k = torch.compile(fb, backend='graphgear', options={'mode': 'reduce-overhead'})\n"
+        "for i in range(4):\n"
+        "    y, z = k(torch.full((4,), float(i)))\n"
+        "print('ok', float(z[0]))\n"
+    )
+    p = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0 and "ok" in p.stdout, p.stderr[-3000:]
+    assert "Exception ignored" not in p.stderr, p.stderr[-3000:]

@@ -41,7 +41,9 @@ import dataclasses
 import functools
 import inspect
 import logging
+import os
 import sys
+import tempfile
 import textwrap
 import types
 from collections.abc import Callable, Sequence
@@ -222,6 +224,9 @@ class StorageWeakRef:
     """
 
     __slots__ = ("cdata",)
+    # bound here: at interpreter exit ``torch`` may already be None in this module
+    # when the last references are collected
+    _free = staticmethod(torch.UntypedStorage._free_weak_ref)
 
     def __init__(self, storage: torch.UntypedStorage) -> None:
         self.cdata: int = storage._weak_ref()
@@ -236,7 +241,7 @@ class StorageWeakRef:
     def __del__(self) -> None:
         cdata = getattr(self, "cdata", None)
         if cdata is not None:
-            torch.UntypedStorage._free_weak_ref(cdata)
+            self._free(cdata)
 
 
 def storage_use_count(cdata: int) -> int:
@@ -1576,9 +1581,11 @@ def inductor_output_load(graph: Any, *, is_inference: bool, is_backward: bool = 
     on 2.13). The C++ kernels its source names are loaded from Inductor's on-disk cache
     by the hash of their source, or compiled when missing.
 
-    Refuses (``ValueError``) a generated module already in the code cache whose text
-    differs from ``graph.source_code`` (which the caller verified): the file imported is
-    the text verified."""
+    A generated module already in the code cache whose text differs from
+    ``graph.source_code`` (which the caller verified) is overwritten with that source
+    first, with a warning: the file imported is the text verified. (Before 2026-12-04 it
+    was refused and the key compiled again, but Inductor's compile gave the same path
+    and imported the file that was there: the edited code ran.)"""
     from torch._inductor.codecache import FxGraphCache, get_path
     from torch._inductor.output_code import CompiledFxGraph, CompiledFxGraphConstants
     from torch._inductor.utils import BoxedBool
@@ -1591,8 +1598,15 @@ def inductor_output_load(graph: Any, *, is_inference: bool, is_backward: bool = 
             on_disk = f.read()
     except FileNotFoundError:
         on_disk = None
-    if on_disk is not None and on_disk != graph.source_code:
-        raise ValueError(f"Inductor's code cache file {path} differs from the entry's verified source")
+    if on_disk != graph.source_code:
+        if on_disk is not None:
+            log.warning("graphgear cache: Inductor's code cache file %s differs from the entry's "
+                        "verified source; writing the verified source over it", path)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(graph.source_code)
+        os.replace(tmp, path)
     constants = CompiledFxGraphConstants()
     loaded, _ = FxGraphCache.cache_hit_post_compile(graph, {}, constants)
     if loaded is None:

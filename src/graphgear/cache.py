@@ -48,7 +48,7 @@ than 0600; a payload whose sha256 differs from the header's; a header whose key 
   containers; no ``eval``, ``getattr``, ``os``, ``sympify``;
 * Inductor's generated module (the text in the checksummed entry) is written to
   Inductor's code cache and imported; a file already there with different text is
-  refused (``_torch.inductor_output_load``). Its C++ kernels come from Inductor's
+  overwritten with the verified text first (``_torch.inductor_output_load``). Its C++ kernels come from Inductor's
   private on-disk cache, trusted as ``torch.compile`` trusts it.
 
 **Writes** happen only after a compile, under an exclusive ``fcntl.flock`` on

@@ -234,7 +234,8 @@ class ExperimentalConfig(_Section):
     pattern_fusion_pass = Option(True, "built-in pattern passes and registered replacements",
                                  choices=_BOOL)
     disabled_passes = Option((), "names of FX passes to skip (graphgear.passes.pass_names())",
-                             check=_is_names, allowed="a tuple or list of pass names")
+                             check=_is_names, allowed="a tuple or list of pass names",
+                             convert=tuple)  # stored as a tuple: the caller's list stays theirs
     post_grad_custom_pre_pass = Option(None, "user pass fn(gm, example_inputs, config), first",
                                        check=_is_pass, allowed="None or a callable")
     post_grad_custom_post_pass = Option(None, "user pass fn(gm, example_inputs, config), last",
