@@ -20,7 +20,7 @@ from ._torch import boxed_convention, compile_session
 from .errors import GearError
 from .gears import GearPlan
 from .padding import PaddingHazard
-from .shapes import ShapeInfo
+from .shapes import ShapeInfo, graph_outputs
 
 log = logging.getLogger(__name__)
 
@@ -161,12 +161,7 @@ class GearedGraph:
         real = self.info.key(args)
         for i, j in self.value_only:  # the tensor work is the same for any value: one key
             args[j] = self._first.setdefault(i, args[j])
-        out = self._call(args)
-        ev = self.info.size_at(real)
-        seq = list(out) if isinstance(out, list | tuple) else [out]
-        for k, v in self.sym_outputs:
-            seq[k] = ev(v)
-        return type(out)(seq) if isinstance(out, list | tuple) else seq[0]
+        return _with_sizes(self._call(args), self.sym_outputs, self.info.size_at(real))
 
     def _call(self, args: list[Any]) -> Any:
         key = self.info.key(args)
@@ -213,13 +208,20 @@ class GearedGraph:
             if j in self.mutated:  # write the real rows back into the caller's tensor
                 args[j].copy_(new_args[j][tuple(slice(0, n) for n in args[j].shape)])
         out = self._slice_outputs(out, grow)
-        if self.size_outputs:
-            ev = info.size_at(key)
-            seq = list(out) if isinstance(out, list | tuple) else [out]
-            for k, v in self.size_outputs:
-                seq[k] = ev(v)
-            out = type(out)(seq) if isinstance(out, list | tuple) else seq[0]
-        return out
+        return _with_sizes(out, self.size_outputs, info.size_at(key)) if self.size_outputs else out
+
+    def _padded_inputs(self, hit: list[int], grow: dict[int, tuple[int, int]],
+                       symbols: bool = False) -> tuple[str, str]:
+        """For a refused padded call: which inputs grew (naming each dim's symbol with
+        ``symbols``), and their gears."""
+        assert self.plan is not None
+        where = self.plan.where
+        padded = "; ".join(
+            f"input {where[i][0]!r} dim {where[i][1]}"
+            + (f" ({self.info.symbols[i]})" if symbols else "")
+            + f" has size {grow[i][0]}, padded to gear {grow[i][1]}" for i in hit)
+        gears = ", ".join(f"{where[i][0]!r} dim {where[i][1]}: {self.plan.sym_gears[i]}" for i in hit)
+        return padded, gears
 
     def _check_hazards(self, grow: dict[int, tuple[int, int]]) -> None:
         """Refuse, before any work, a padded call whose graph reads across the padded
@@ -228,12 +230,7 @@ class GearedGraph:
             hit = sorted(i for i in h.symbols if i in grow)
             if not hit:
                 continue
-            assert self.plan is not None
-            padded = "; ".join(
-                f"input {self.plan.where[i][0]!r} dim {self.plan.where[i][1]} has size {grow[i][0]}, "
-                f"padded to gear {grow[i][1]}" for i in hit)
-            gears = ", ".join(
-                f"{self.plan.where[i][0]!r} dim {self.plan.where[i][1]}: {self.plan.sym_gears[i]}" for i in hit)
+            padded, gears = self._padded_inputs(hit, grow)
             raise GearError(
                 f"graphgear: gear padding cannot run this call of {self.record.name}: {padded}, but "
                 f"node {h.node} ({h.target}) {h.reason}, so the padded rows would change the "
@@ -284,16 +281,7 @@ class GearedGraph:
             hit = sorted(i for i in u.symbols if i in grow)
             if not hit:
                 continue
-            assert self.plan is not None
-            padded = "; ".join(
-                f"input {self.plan.where[i][0]!r} dim {self.plan.where[i][1]} "
-                f"({self.info.symbols[i]}) has size {grow[i][0]}, padded to gear {grow[i][1]}"
-                for i in hit
-            )
-            gears = ", ".join(
-                f"{self.plan.where[i][0]!r} dim {self.plan.where[i][1]}: {self.plan.sym_gears[i]}"
-                for i in hit
-            )
+            padded, gears = self._padded_inputs(hit, grow, symbols=True)
             raise GearError(
                 f"graphgear: gear padding cannot run this call: {padded}, but output "
                 f"{u.output} ({u.node}) has size {u.expr} at dim {u.dim}, an expression of "
@@ -344,6 +332,15 @@ class GearedGraph:
             args[j].copy_(saved)
 
 
+def _with_sizes(out: Any, outputs: Sequence[tuple[int, Any]], ev: Callable[[Any], int]) -> Any:
+    """``out`` with each output ``k`` of ``outputs`` (a SymInt of the graph's sizes) set
+    to its value under ``ev`` (the real sizes)."""
+    seq = list(out) if isinstance(out, list | tuple) else [out]
+    for k, v in outputs:
+        seq[k] = ev(v)
+    return type(out)(seq) if isinstance(out, list | tuple) else seq[0]
+
+
 def _args_at(info: ShapeInfo, args: Sequence[Any], key: Sequence[int],
              resize: Callable[[int, torch.Tensor, list[int]], torch.Tensor]) -> list[Any]:
     """``args`` at graph key ``key``: every symbolic size set to its value there, and
@@ -375,11 +372,8 @@ def _resize_args(info: ShapeInfo, args: Sequence[Any], key: Sequence[int]) -> li
 
 def output_specs(gm: Any, info: ShapeInfo) -> list[dict[int, int]]:
     """For each graph output, which dims carry which symbol (index into info.symbols)."""
-    out_node = next(iter(gm.graph.find_nodes(op="output")))
-    outs = out_node.args[0]
-    outs = outs if isinstance(outs, list | tuple) else [outs]
     specs: list[dict[int, int]] = []
-    for o in outs:
+    for o in graph_outputs(gm):
         v = o.meta.get("val") if hasattr(o, "meta") else None
         spec: dict[int, int] = {}
         if isinstance(v, torch.Tensor):
@@ -405,9 +399,7 @@ class UnsliceableDim:
 
 def unsliceable_outputs(gm: Any, info: ShapeInfo) -> list[UnsliceableDim]:
     """Every output dim whose size depends on a graph-key symbol without being it."""
-    out_node = next(iter(gm.graph.find_nodes(op="output")))
-    outs = out_node.args[0]
-    outs = outs if isinstance(outs, list | tuple) else [outs]
+    outs = graph_outputs(gm)
     index = {s: i for i, s in enumerate(info.symbols)}
     found: list[UnsliceableDim] = []
     for k, o in enumerate(outs):

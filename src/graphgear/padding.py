@@ -11,7 +11,7 @@ grown symbols meet one raises :class:`~graphgear.errors.GearError` before any wo
   ``torch.tensor(n)``, ``full(..., s)``), or an index counted from the end of a padded
   dim (``h[:, -1]``, ``x[:-1]``, ``s - 1``): at the gear these see the gear's size.
   (Python ints the graph returns, ``x.shape[0] * 2``, are not hazards: the dispatcher
-  computes them at the real size.)
+  computes them at the real size, ``shapes.size_outputs``.)
 * **mixing along the padded dim**: a reduction (``sum``, ``mean``, ``amax``, ``var``,
   norms, ``argmax``...) whose output lost the dim, a matrix product contracting over it,
   ``softmax`` / ``log_softmax``, ``flip``, ``roll``, ``sort``, ``topk`` along it, a layer
@@ -58,13 +58,13 @@ _ALONG_DIM = {
 _PRODUCTS = {"mm": ("self", "mat2"), "bmm": ("self", "mat2"), "addmm": ("mat1", "mat2"),
              "baddbmm": ("batch1", "batch2"), "addbmm": ("batch1", "batch2"),
              "mv": ("self", "vec"), "dot": ("self", "tensor"), "matmul": ("self", "other")}
-#: attention ops: (query, key, mask argument or None, causal argument or None)
+#: attention ops: (key, mask argument or None, causal argument)
 _ATTENTION = {
-    "scaled_dot_product_attention": ("query", "key", "attn_mask", "is_causal"),
-    "_scaled_dot_product_flash_attention_for_cpu": ("query", "key", "attn_mask", "is_causal"),
-    "_scaled_dot_product_flash_attention": ("query", "key", None, "is_causal"),
-    "_scaled_dot_product_efficient_attention": ("query", "key", "attn_bias", "is_causal"),
-    "_scaled_dot_product_cudnn_attention": ("query", "key", "attn_bias", "is_causal"),
+    "scaled_dot_product_attention": ("key", "attn_mask", "is_causal"),
+    "_scaled_dot_product_flash_attention_for_cpu": ("key", "attn_mask", "is_causal"),
+    "_scaled_dot_product_flash_attention": ("key", None, "is_causal"),
+    "_scaled_dot_product_efficient_attention": ("key", "attn_bias", "is_causal"),
+    "_scaled_dot_product_cudnn_attention": ("key", "attn_bias", "is_causal"),
 }
 #: comparisons and logic: a tensor made by one is a mask
 _MASK_DTYPES = (torch.bool,)
@@ -143,6 +143,11 @@ def _as_dims(dim: Any, ndim: int) -> list[int] | None:
         return None
     dims = dim if isinstance(dim, list | tuple) else [dim]
     return [int(d) % max(ndim, 1) for d in dims if isinstance(d, int)]
+
+
+def _along(padded: dict[int, int], dims: list[int] | None) -> set[int]:
+    """The symbols of the padded dims (``_dims``) among ``dims`` (None: every dim)."""
+    return set(padded.values()) if dims is None else {padded[d] for d in dims if d in padded}
 
 
 class _Checker:
@@ -226,27 +231,24 @@ class _Checker:
 
     # -- mixing along a padded dim -------------------------------------------------
     def mixing(self, node: fx.Node, name: str, kw: dict[str, Any]) -> None:
-        out = _val(node)
-        ins = [v for a in node.all_input_nodes for v in _tensors(_val(a))]
         if name in _REDUCTIONS:
             src = _val(node.args[0]) if node.args else None
             dims = _as_dims(kw.get("dim"), src.dim()) if isinstance(src, torch.Tensor) else None
             if self.masked_scores(node.args[0] if node.args else None, dims):
                 return
-            had = {s for v in ins for s in _dims(v, self.index).values()}
-            kept = {s for v in _tensors(out) for s in _dims(v, self.index).values()}
+            had = {s for a in node.all_input_nodes for v in _tensors(_val(a))
+                   for s in _dims(v, self.index).values()}
+            kept = {s for v in _tensors(_val(node)) for s in _dims(v, self.index).values()}
             along = set()
             if isinstance(src, torch.Tensor) and "dim" in kw:
-                pd = _dims(src, self.index)
-                along = set(pd.values()) if dims is None else {pd[d] for d in dims if d in pd}
+                along = _along(_dims(src, self.index), dims)
             self.hazard(node, (had - kept) | along, "reduces over a padded dim")
         elif name in _ALONG_DIM:
             src = _val(node.args[0]) if node.args else None
             if not isinstance(src, torch.Tensor):
                 return
             dims = _as_dims(kw.get(_ALONG_DIM[name]), src.dim())
-            pd = _dims(src, self.index)
-            syms = set(pd.values()) if dims is None else {pd[d] for d in dims if d in pd}
+            syms = _along(_dims(src, self.index), dims)
             if syms and "softmax" in name and self.masked_scores(node.args[0], dims):
                 return
             self.hazard(node, syms, f"mixes or reorders values along a padded dim ({name})")
@@ -259,7 +261,7 @@ class _Checker:
                 return
             self.hazard(node, {k}, "a matrix product contracts over a padded dim")
         elif name in _ATTENTION:
-            q_arg, k_arg, mask_arg, causal_arg = _ATTENTION[name]
+            k_arg, mask_arg, causal_arg = _ATTENTION[name]
             key = _val(kw.get(k_arg))
             if not isinstance(key, torch.Tensor) or key.dim() < 2:
                 return
@@ -321,14 +323,4 @@ def padding_hazards(gm: fx.GraphModule, symbols: list[Any], geared: Iterable[int
     if not geared:
         return []
     return _Checker(gm, symbols, geared).run()
-
-
-def sym_outputs(gm: fx.GraphModule) -> list[tuple[int, Any]]:
-    """``(output index, SymInt)`` for each output of ``gm`` that is a Python int of the
-    graph's sizes (computed at the real sizes after a padded call)."""
-    out_node = next(iter(gm.graph.find_nodes(op="output")))
-    outs = out_node.args[0]
-    outs = outs if isinstance(outs, list | tuple) else [outs]
-    return [(k, _val(o)) for k, o in enumerate(outs)
-            if isinstance(_val(o), torch.SymInt) and _val(o).node.expr.free_symbols]
 

@@ -21,9 +21,9 @@ from .context import CompileContext
 from .dispatch import GearedGraph, output_specs, unsliceable_outputs
 from .gears import GearPlan
 from .inputs import aot_input_names, mutated_placeholders, static_input_indices
-from .padding import padding_hazards, sym_outputs
+from .padding import padding_hazards
 from .passes import post_grad_pass_manager, static_pass_manager
-from .shapes import ShapeInfo, scalar_symbols, specialize, value_only_symbols
+from .shapes import ShapeInfo, scalar_symbols, size_outputs, specialize, value_only_symbols
 from .stats import new_record
 
 if TYPE_CHECKING:
@@ -212,15 +212,16 @@ def _compile_by_shape(
 
     value_only = _value_only(gm, info, plan) if per_key else ((), ())
     geared_syms = set(plan.sym_gears) if plan is not None else set()
+    padding = ctx.config.inference_config.gear_padding
     geared = GearedGraph(
         info,
         plan,
         build,
-        padding=ctx.config.inference_config.gear_padding,
+        padding=padding,
         out_specs=output_specs(gm, info),
         unsliceable=unsliceable_outputs(gm, info),
-        hazards=padding_hazards(gm, info.symbols, geared_syms) if ctx.config.inference_config.gear_padding else (),
-        size_outputs=sym_outputs(gm),
+        hazards=padding_hazards(gm, info.symbols, geared_syms) if padding else (),
+        size_outputs=size_outputs(gm) if padding else (),
         mutated=ctx.mutated_inputs,
         record=ctx.record,
         # training: a padded forward returns the caller's outputs sliced and keeps the

@@ -22,7 +22,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv, statically_known_tru
 
 from ._torch import FakeTensor, FakeTensorMode, tracing, unset_fake_temporarily
 
-__all__ = ["ShapeInfo", "scalar_symbols", "specialize", "value_only_symbols"]
+__all__ = ["ShapeInfo", "graph_outputs", "scalar_symbols", "size_outputs", "specialize", "value_only_symbols"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,13 +168,24 @@ def value_only_symbols(gm: fx.GraphModule, info: ShapeInfo) -> tuple[list[int], 
                 free -= set(a.meta["val"].node.expr.free_symbols)
         if not free:
             return [], []
+    sym_outs = [(k, v) for k, v in size_outputs(gm) if free & _free_symbols(v)]
+    return sorted(i for i, sym in enumerate(info.symbols) if sym in free), sym_outs
+
+
+def graph_outputs(gm: fx.GraphModule) -> list[Any]:
+    """The arguments of ``gm``'s output node, as a list."""
     out_node = next(iter(gm.graph.find_nodes(op="output")))
     outs = out_node.args[0]
-    outs = outs if isinstance(outs, list | tuple) else [outs]
-    sym_outs = [(k, o.meta["val"]) for k, o in enumerate(outs)
-                if isinstance(o, fx.Node) and isinstance(o.meta.get("val"), torch.SymInt)
-                and free & _free_symbols(o.meta["val"])]
-    return sorted(i for i, sym in enumerate(info.symbols) if sym in free), sym_outs
+    return list(outs) if isinstance(outs, list | tuple) else [outs]
+
+
+def size_outputs(gm: fx.GraphModule) -> list[tuple[int, Any]]:
+    """``(output index, SymInt)`` for each output of ``gm`` that is a Python int of its
+    sizes: the dispatcher computes it at the real sizes where the graph ran at others
+    (a value-only symbol's first value, a padded gear)."""
+    return [(k, o.meta["val"]) for k, o in enumerate(graph_outputs(gm))
+            if isinstance(o, fx.Node) and isinstance(o.meta.get("val"), torch.SymInt)
+            and o.meta["val"].node.expr.free_symbols]
 
 
 def specialize(gm: fx.GraphModule, info: ShapeInfo, key: Sequence[int]) -> tuple[fx.GraphModule, list[Any]]:
