@@ -1314,13 +1314,15 @@ def graph_pickle_dumps(gm: torch.fx.GraphModule) -> bytes:
     return GraphPickler.dumps(gm, Options(ops_filter=None))
 
 
-def graph_pickle_loads(data: bytes, allowed: Callable[[str, str], bool] | None = None
+def graph_pickle_loads(data: bytes, allowed: Callable[[str, str], bool] | None = None,
+                       substitutes: dict[tuple[str, str], Any] | None = None,
                        ) -> tuple[torch.fx.GraphModule, Any]:
     """The graph module of :func:`graph_pickle_dumps` and the fresh fake mode (with its
     own ShapeEnv) its placeholders' ``example_value`` live in. ``allowed(module, name)``:
     every global the data names must pass it (else ``pickle.UnpicklingError``), with
     ``GraphPickler``'s own unpickler (``_GraphUnpickler``, ``_UnpickleState``,
-    ``patch_pytree_map_over_slice``: what ``GraphPickler.loads`` does; checked on 2.13)."""
+    ``patch_pytree_map_over_slice``: what ``GraphPickler.loads`` does; checked on 2.13).
+    ``substitutes`` maps a global to the object to use in its place."""
     import io
     import pickle
 
@@ -1334,6 +1336,8 @@ def graph_pickle_loads(data: bytes, allowed: Callable[[str, str], bool] | None =
 
     class Restricted(gp._GraphUnpickler):
         def find_class(self, module: str, name: str) -> Any:
+            if substitutes and (module, name) in substitutes:
+                return substitutes[module, name]
             if not allowed(module, name):
                 raise pickle.UnpicklingError(f"graphgear cache: global {module}.{name} is not allowed here")
             return super().find_class(module, name)

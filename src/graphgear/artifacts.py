@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import io
 import logging
 import re
 import threading
@@ -42,7 +43,7 @@ from .gears import get_dim_gears, set_dim_gears
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ArtifactStore", "KeyArtifact", "allowed_global", "cache_tag", "strip_cache_tag"]
+__all__ = ["SUBSTITUTES", "ArtifactStore", "KeyArtifact", "allowed_global", "cache_tag", "strip_cache_tag"]
 
 _TAG = re.compile(r"graphgear-cache:[0-9a-f]+;")
 
@@ -118,7 +119,7 @@ _ALLOWED: dict[str, frozenset[str]] = {m: frozenset(n.split()) for m, n in {
     "torch.fx.immutable_collections": "immutable_dict immutable_list",
     "torch.fx.passes.shape_prop": "TensorMetadata",
     "torch.serialization": "_get_layout",
-    "torch._utils": "torch.contiguous_format torch.channels_last torch.channels_last_3d torch.preserve_format",
+    "torch._utils": "_rebuild_tensor_v2 torch.contiguous_format torch.channels_last torch.channels_last_3d torch.preserve_format",
     "torch.utils._ordered_set": "OrderedSet",
     "torch.utils._sympy.functions": "FloorDiv ModularIndexing CleanDiv CeilDiv Max Min PythonMod Mod "
                                     "IntTrueDiv FloatTrueDiv Identity Where ToFloat TruncToInt",
@@ -127,6 +128,18 @@ _ALLOWED: dict[str, frozenset[str]] = {m: frozenset(n.split()) for m, n in {
 }.items()}
 
 _DTYPES = frozenset(n for n in dir(torch) if isinstance(getattr(torch, n, None), torch.dtype))
+
+
+def _storage_from_bytes(data: bytes) -> Any:
+    """A pickled tensor's storage (the payload of ``torch.storage._load_from_bytes``, a
+    ``torch.save`` archive) loaded with ``weights_only=True``: tensors and plain data only,
+    where torch's own function would unpickle anything."""
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+# Globals an entry may name that resolve to graphgear's safe stand-in, not torch's own:
+# a constant tensor in a graph (a closure over a model's buffer) pickles its storage this way.
+SUBSTITUTES: dict[tuple[str, str], Any] = {("torch.storage", "_load_from_bytes"): _storage_from_bytes}
 
 
 def allowed_global(module: str, name: str) -> bool:
@@ -212,7 +225,7 @@ class ArtifactStore:
         fresh fake mode, with their gears marked again)."""
         if self.graph is None:
             raise ValueError("the entry holds no graph")
-        gm, _ = graph_pickle_loads(self.graph, allowed_global)
+        gm, _ = graph_pickle_loads(self.graph, allowed_global, SUBSTITUTES)
         gm.recompile()
         example_inputs = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
         for i, dims in self.meta.get("gears", {}).items():

@@ -105,7 +105,7 @@ from ._torch import (
     serializable_guard_filter,
     without_dim_markings,
 )
-from .artifacts import allowed_global, cache_tag
+from .artifacts import SUBSTITUTES, allowed_global, cache_tag
 from .backend import get_backend
 from .bundle import GraphgearOutputCode
 from .cachedir import default_cache_root, unsafe_reason
@@ -202,15 +202,18 @@ def _source_of(fn: Any) -> str:
     return "\n".join(parts)
 
 
-def _spec(x: Any) -> Any:
+GearsOf = Callable[[torch.Tensor], dict[int, list[int]]]
+
+
+def _spec(x: Any, gears_of: GearsOf = get_dim_gears) -> Any:
     if isinstance(x, torch.Tensor):
-        gears = {str(d): list(s) for d, s in sorted(get_dim_gears(x).items())}
+        gears = {str(d): list(s) for d, s in sorted(gears_of(x).items())}
         return {"dtype": str(x.dtype), "device": str(x.device), "shape": list(x.shape),
                 "requires_grad": x.requires_grad, "gears": gears}
     if isinstance(x, (list, tuple)):
-        return [_spec(v) for v in x]
+        return [_spec(v, gears_of) for v in x]
     if isinstance(x, dict):
-        return {str(k): _spec(v) for k, v in sorted(x.items(), key=lambda kv: str(kv[0]))}
+        return {str(k): _spec(v, gears_of) for k, v in sorted(x.items(), key=lambda kv: str(kv[0]))}
     if isinstance(x, (int, float, bool, str)) or x is None:
         return {"type": type(x).__name__, "value": x}
     return {"type": type(x).__qualname__}
@@ -220,24 +223,24 @@ def _digest(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def _signature(x: Any) -> Any:
+def _signature(x: Any, gears_of: GearsOf = get_dim_gears) -> Any:
     """A cheap hashable summary of a call's inputs (what :func:`_spec` digests)."""
     if isinstance(x, torch.Tensor):
         return (tuple(x.shape), x.dtype, x.device, x.requires_grad,
-                tuple(sorted((d, tuple(g)) for d, g in get_dim_gears(x).items())))
+                tuple(sorted((d, tuple(g)) for d, g in gears_of(x).items())))
     if isinstance(x, (list, tuple)):
-        return tuple(_signature(v) for v in x)
+        return tuple(_signature(v, gears_of) for v in x)
     if isinstance(x, dict):
-        return tuple(sorted(((str(k), _signature(v)) for k, v in x.items()), key=lambda kv: kv[0]))
+        return tuple(sorted(((str(k), _signature(v, gears_of)) for k, v in x.items()), key=lambda kv: kv[0]))
     if isinstance(x, (int, float, bool, str)) or x is None:
         return (type(x), x)
     return type(x)
 
 
 def key_parts(fn: Any, config: CompilerConfig, args: tuple[Any, ...], kwargs: dict[str, Any],
-              dynamic: bool, rank: int | None) -> dict[str, str]:
+              dynamic: bool, rank: int | None, gears_of: GearsOf = get_dim_gears) -> dict[str, str]:
     """Every part of the cache key, each a short string (versions) or a sha256."""
-    specs = {"args": _spec(list(args)), "kwargs": _spec(kwargs)}
+    specs = {"args": _spec(list(args), gears_of), "kwargs": _spec(kwargs, gears_of)}
     gears = [s.get("gears") for s in _walk_specs(specs) if s.get("gears")]
     shapes_without_gears = _digest(_strip_geared(specs))
     return {
@@ -322,7 +325,8 @@ def _unpicklable_free(func: Any) -> list[str]:
 
 def _closure_objects(func: Any) -> dict[str, Any]:
     """The functions in ``func``'s closure (and theirs, four deep) that pickle cannot
-    store by reference: a decorated method's inner function (transformers' forwards).
+    store by reference (a decorated method's inner function: transformers' forwards), and
+    the modules in those closures (a closure over a model).
     torch's precompile keeps the traced function's closure; these travel as its
     ``external_data`` instead, taken from the same places in a later process's function."""
     out: dict[str, Any] = {}
@@ -333,6 +337,13 @@ def _closure_objects(func: Any) -> dict[str, Any]:
                 out[f"{path}.{i}"] = v
             if depth < 4:
                 walk(v, f"{path}.{i}", depth + 1)
+        for i, cell in enumerate(getattr(f, "__closure__", None) or ()):
+            try:
+                v = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if isinstance(v, nn.Module):  # a closure over a model: its weights are not stored
+                out[f"{path}.{i}"] = v
 
     walk(func, "closure", 0)
     return out
@@ -407,6 +418,8 @@ class _RestrictedUnpickler(pickle.Unpickler):
     """graphgear's part of an entry: only the types :func:`allowed_global` names."""
 
     def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in SUBSTITUTES:
+            return SUBSTITUTES[module, name]
         if not allowed_global(module, name):
             raise pickle.UnpicklingError(f"graphgear cache: global {module}.{name} is not allowed here")
         return super().find_class(module, name)
@@ -574,24 +587,54 @@ class CachedFunction:
         self.stores = 0  # entry files written by this object (tests: not one per step)
         self._fallback: Any = None
         self._warned = False
+        self._warned_unsupported = False
+        self._leaf_gears: dict[str, dict[int, dict[int, list[int]]]] = {}  # input structure -> leaf -> gears
+        self.unsupported_reason = ""  # why torch's precompile cannot store fn ("" when it can)
 
     def _call(self, compiled: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self.module is not None:
             return compiled(self.module, *args, **kwargs)
         return compiled(*args, **kwargs)
 
+    def _gears_of(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> GearsOf:
+        """Gears per input tensor: its own (``set_dim_gears``), else those the tensor at
+        the same place in an earlier call had (TorchAir's usage: gears are set on the first
+        call's input, later sizes arrive as plain tensors and hit the same entry)."""
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        remembered = self._leaf_gears.get(str(spec))
+        if remembered is None:
+            remembered = self._leaf_gears[str(spec)] = {}
+        inherited: dict[int, dict[int, list[int]]] = {}
+        for i, leaf in enumerate(leaves):
+            if not isinstance(leaf, torch.Tensor):
+                continue
+            own = get_dim_gears(leaf)
+            if own:
+                remembered[i] = own
+            elif i in remembered and all(d < leaf.dim() for d in remembered[i]):
+                inherited[id(leaf)] = remembered[i]
+        if not inherited:
+            return get_dim_gears
+        return lambda t: inherited.get(id(t)) or get_dim_gears(t)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        sig = _signature((args, kwargs))
+        # inference: entries are compiled under no_grad, and their guards check grad mode
+        with torch.no_grad():
+            return self._serve(args, kwargs)
+
+    def _serve(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        gears_of = self._gears_of(args, kwargs)
+        sig = _signature((args, kwargs), gears_of)
         known = self._keys.get(sig)
         if known is None:  # the full key (source, config, module...) once per signature
-            parts = key_parts(self.fn, self.config, args, kwargs, self.dynamic, self.rank)
+            parts = key_parts(self.fn, self.config, args, kwargs, self.dynamic, self.rank, gears_of)
             known = self._keys[sig] = (_digest(parts), parts)
         key, parts = known
         compiled = self._loaded.get(key)
         if compiled is None:
             compiled = self._load_or_compile(key, parts, args, kwargs)
             self._loaded[key] = compiled
-        if compiled is self._fallback:
+        if compiled is self._fallback or isinstance(compiled, _Unsupported):
             return compiled(*args, **kwargs)
         args, kwargs = pytree.tree_map_only(torch.Tensor, without_dim_markings, (args, kwargs))
         call_args = (self.module, *args) if self.module is not None else args
@@ -603,20 +646,42 @@ class CachedFunction:
             self._store(compiled, key, parts, stored)  # it compiled a key it did not hold
         return out
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        """Pickled (dynamo's guard state of a module that holds this wrapper, as TorchAir's
+        pattern has it; ``torch.save`` of such a module) as a stateless placeholder: the
+        wrapper's compiled entries, guard managers and locks cannot be pickled and must not
+        travel. ``copy.deepcopy`` builds a fresh wrapper instead (``__deepcopy__``)."""
+        return _UnpickledCachedFunction, (_name_of(self.fn),)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> CachedFunction:
+        import copy
+
+        fn = self.fn
+        if inspect.ismethod(fn):  # the copy of the module, if it is being copied
+            fn = getattr(copy.deepcopy(fn.__self__, memo), fn.__func__.__name__)
+        else:
+            fn = copy.deepcopy(fn, memo)
+        return CachedFunction(fn, self.config, self.cache_dir, self.dynamic, self.rank)
+
+    def _uncached(self) -> Any:
+        """``fn`` through plain ``torch.compile`` with graphgear (no cache). A bound method
+        is compiled as the method: the module's own ``forward`` may call this wrapper."""
+        if self._fallback is None:
+            target = self.module if self.module is not None and self.fn is self.module else self.fn
+            self._fallback = torch.compile(target, backend=get_backend(self.config),
+                                           dynamic=None if self.dynamic else False)
+        return self._fallback
+
     def _run_uncached(self, key: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The entry's guards reject this call: run it through plain torch.compile."""
         if not self._warned:
             self._warned = True
             log.warning("graphgear cache: the guards of the compiled entry of %s reject this call "
-                        "(tensors marked by set_dim_gears, or module state or globals that "
-                        "changed); it runs through torch.compile with graphgear instead, without "
-                        "the cache.", _name_of(self.fn))
-        if self._fallback is None:
-            target = self.module if self.module is not None else self.fn
-            self._fallback = torch.compile(target, backend=get_backend(self.config),
-                                           dynamic=None if self.dynamic else False)
-        self._loaded[key] = self._fallback
-        return self._fallback(*args, **kwargs)
+                        "(module state or globals that changed since it was compiled); it runs "
+                        "through torch.compile with graphgear instead, without the cache.",
+                        _name_of(self.fn))
+        self._loaded[key] = fallback = self._uncached()
+        return fallback(*args, **kwargs)
 
     def _entry_path(self, folder: str, key: str) -> str:
         return os.path.join(folder, f"{_name_of(self.fn)}-{key[:24]}{SUFFIX}")
@@ -688,17 +753,38 @@ class CachedFunction:
         n0 = record_count()
         dynamic = None if self.dynamic else False  # True: dims marked (set_dim_gears) are dynamic
         call_args = (self.module, *args) if self.module is not None else args
-        with torch.no_grad():
-            compiled = torch.compile(self._func, fullgraph=True, dynamic=dynamic,
-                                     backend=_caching_backend(self.config, key),
-                                     options={"guard_filter_fn": serializable_guard_filter(_unpicklable_free(self._func))},
-                                     ).aot_compile((call_args, kwargs))
+        try:
+            with torch.no_grad():
+                compiled = torch.compile(self._func, fullgraph=True, dynamic=dynamic,
+                                         backend=_caching_backend(self.config, key),
+                                         options={"guard_filter_fn": serializable_guard_filter(_unpicklable_free(self._func))},
+                                         ).aot_compile((call_args, kwargs))
+        except Exception as e:  # what torch's precompile cannot save is served uncached
+            return self._unsupported(e, n0)
         compiled.disable_guard_check()  # __call__ checks them first, once
         stored = self._stored[key] = _Stored(path, aot_compiled_backend_result(compiled), -1)
         status = "stored" if path is not None and self._store(compiled, key, parts, stored) else "miss"
         for rec in records_since(n0):
             rec.cache = status
         return compiled
+
+    def _unsupported(self, error: Exception, n0: int) -> Any:
+        """torch's precompile failed on ``fn`` (a class defined in local scope, an object in
+        its guards or closure that cannot be pickled, a graph break under ``fullgraph``):
+        the call is served through plain ``torch.compile`` with graphgear, uncached; one
+        warning per wrapper, and ``stats()`` records ``cache="unsupported"``."""
+        reason = _unsupported_reason(error)
+        if not self._warned_unsupported:
+            self._warned_unsupported = True
+            log.warning("graphgear cache: %s cannot be stored in the compile cache: %s. It runs "
+                        "through torch.compile with graphgear, without the cache. Fix: %s",
+                        _name_of(self.fn), reason, _unsupported_fix(reason))
+        self.unsupported_reason = reason
+        fallback = self._uncached()
+        n1 = record_count()
+        for rec in records_since(n0)[: n1 - n0]:  # records of the precompile that failed
+            rec.cache, rec.cache_reason = "unsupported", reason
+        return _Unsupported(fallback, reason)
 
     def _store(self, compiled: Any, key: str, parts: dict[str, str], stored: _Stored) -> bool:
         """Write the entry (after a compile, and again after a call that compiled a graph
@@ -717,6 +803,53 @@ class CachedFunction:
         return True
 
 
+class _Unsupported:
+    """A key whose function torch's precompile could not save: the uncached
+    ``torch.compile`` of it; graphs it compiles are recorded ``cache="unsupported"``."""
+
+    def __init__(self, fallback: Callable[..., Any], reason: str) -> None:
+        self.fallback, self.reason = fallback, reason
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        n0 = record_count()
+        out = self.fallback(*args, **kwargs)
+        for rec in records_since(n0):
+            rec.cache, rec.cache_reason = "unsupported", self.reason
+        return out
+
+
+class _UnpickledCachedFunction:
+    """What a pickled :class:`CachedFunction` becomes: it holds no compiled state, and
+    calling it says how to get a working wrapper back."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(f"graphgear cache: this cache_compile wrapper of {self.name} was unpickled "
+                           "(pickle or torch.save of the object that held it) and holds no compiled "
+                           "code. Fix: call graphgear.inference.cache_compile(...) again on the "
+                           "loaded object (TorchAir's pattern: in its __init__ or after loading).")
+
+
+def _unsupported_reason(error: BaseException) -> str:
+    """The first line of the innermost error of a failed precompile (torch wraps them)."""
+    while error.__cause__ is not None and not isinstance(error, (TypeError, pickle.PicklingError)):
+        error = error.__cause__
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
+
+
+def _unsupported_fix(reason: str) -> str:
+    if "local scope" in reason or "<locals>" in reason:
+        return ("define the class or function at module level (not inside a function), so a "
+                "later process can import it by name")
+    if "pickle" in reason.lower():
+        return ("keep objects that cannot be pickled (locks, open files, compiled wrappers) out of "
+                "what the function reads: pass them as arguments or hold them outside the module")
+    return "make the function compile with torch.compile(fullgraph=True), or call it uncached"
+
+
 def cache_compile(fn: Any, *, config: CompilerConfig | None = None, cache_dir: str | None = None,
                   dynamic: bool = True, rank: int | None = None) -> CachedFunction:
     """Compile ``fn`` (a function, an ``nn.Module`` or a module's bound method) with
@@ -724,6 +857,11 @@ def cache_compile(fn: Any, *, config: CompilerConfig | None = None, cache_dir: s
 
     ``dynamic=True`` keeps the dims marked by ``set_dim_gears`` dynamic (torch's
     ``dynamic=None``); ``False`` compiles every dim static. ``rank`` stores entries in a
-    ``rank<N>`` sub-folder. Calls run under ``torch.no_grad()`` semantics of the compiled
-    graph (inference)."""
+    ``rank<N>`` sub-folder. Calls run under ``torch.no_grad()`` (the cache serves
+    inference: outputs carry no autograd history, whatever the caller's grad mode).
+
+    Gears set (``set_dim_gears``) on a tensor of the first call hold for the tensor at the
+    same place in later calls, so later sizes can arrive as plain tensors. What torch's
+    precompile cannot save (a class defined in local scope, an unpicklable object in the
+    guards) is served uncached, with one warning and ``stats()``'s ``cache="unsupported"``."""
     return CachedFunction(fn, config if config is not None else CompilerConfig(), cache_dir, dynamic, rank)

@@ -46,7 +46,9 @@ class GraphRecord:
     rebinds: int = 0  # CPU graph: replays that rebound a moved input used in place (a new KV cache)
     recaptures: int = 0  # CUDA/NPU: captures (of the compiled code) for a moved input used in place
     cache: str = ""  # graphgear.cache: "hit" (loaded), "miss" (compiled, not stored), "stored",
-    # "refused" (rebuilt from an entry that was then refused, not used); "" unused
+    # "refused" (rebuilt from an entry that was then refused, not used), "unsupported" (torch's
+    # precompile cannot save this function: served uncached, ``cache_reason`` says why); "" unused
+    cache_reason: str = ""  # graphgear.cache: why a graph is "unsupported" or "refused"
     loaded_keys: int = 0  # graphgear.cache: graph keys whose compiled code was loaded, not compiled
     cache_load_seconds: float = 0.0  # graphgear.cache: seconds to check and load the entry (hits)
 

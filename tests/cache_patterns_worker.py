@@ -1,0 +1,93 @@
+"""A fresh process for tests/test_cache_patterns.py: serve one of the patterns TorchAir's
+users write (tests/models/cache_users.py) through ``cache_compile``, with gears set on the
+first call's tensor and the other sizes arriving one call at a time as plain tensors; print
+one JSON line: per call the output's sha256 and its distance to eager, the stats records'
+cache fields, and dynamo's trace counters."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from graphgear.cachedir import use_private_inductor_cache  # noqa: E402
+
+use_private_inductor_cache()
+
+import torch  # noqa: E402
+
+import graphgear  # noqa: E402
+from graphgear.inference import cache_compile  # noqa: E402
+from tests.models import cache_users  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("pattern", choices=["method", "function", "module", "hf-closure", "hf-forward"])
+    p.add_argument("--mode", default="max-autotune")
+    p.add_argument("--dir", required=True)
+    p.add_argument("--sizes", default="4,2,8")
+    p.add_argument("--gears", default="2,4,8")
+    a = p.parse_args()
+    torch.manual_seed(0)
+    cfg = graphgear.CompilerConfig()
+    cfg.mode = a.mode
+    gears = [int(s) for s in a.gears.split(",")]
+    sizes = [int(s) for s in a.sizes.split(",")]
+    w = torch.randn(16, 16)
+    hf = None
+    if a.pattern.startswith("hf"):
+        from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+        hf = GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2,
+                                              num_attention_heads=4, intermediate_size=64,
+                                              max_position_embeddings=64)).eval()
+    if a.pattern == "method":
+        model = cache_users.SelfCachedMLP(cfg, a.dir).eval()
+        served, eager = model, model._forward
+    elif a.pattern == "module":
+        model = cache_users.MLP().eval()
+        served, eager = cache_compile(model, config=cfg, cache_dir=a.dir), model
+    elif a.pattern == "function":
+        served = cache_compile(cache_users.mlp_function, config=cfg, cache_dir=a.dir)
+        eager = cache_users.mlp_function
+    elif a.pattern == "hf-closure":
+        fn = cache_users.logits_of(hf)
+        served, eager = cache_compile(fn, config=cfg, cache_dir=a.dir), fn
+    else:
+        assert hf is not None
+        served, eager = cache_compile(hf.forward, config=cfg, cache_dir=a.dir), hf.forward
+    calls = []
+    for i, b in enumerate(sizes):
+        g = torch.Generator().manual_seed(b)
+        if hf is not None:
+            x = torch.randint(0, 128, (b, 6), generator=g)
+        else:
+            x = torch.randn(b, 16, generator=g)
+        if i == 0:
+            graphgear.set_dim_gears(x, {0: gears})
+        args: tuple = (x, w) if a.pattern == "function" else ()
+        kwargs: dict = {"input_ids": x} if a.pattern == "hf-forward" else {}
+        if a.pattern not in ("function", "hf-forward"):
+            args = (x,)
+        out = served(*args, **kwargs)
+        with torch.no_grad():
+            ref = eager(*args, **kwargs)
+        if a.pattern == "hf-forward":
+            out, ref = out.logits, ref.logits
+        calls.append({"size": b, "sha": hashlib.sha256(out.contiguous().numpy().tobytes()).hexdigest(),
+                      "err": float((out - ref).abs().max())})
+    counters = torch._dynamo.utils.counters
+    print(json.dumps({"calls": calls,
+                      "records": [{"name": r.name, "cache": r.cache, "reason": r.cache_reason}
+                                  for r in graphgear.stats().graphs],
+                      "unique_graphs": counters["stats"]["unique_graphs"],
+                      "frames_ok": counters["frames"]["ok"]}))
+
+
+if __name__ == "__main__":
+    main()

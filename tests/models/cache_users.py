@@ -1,0 +1,53 @@
+"""Models written the way users of TorchAir's ``cache_compile`` write them, at module level
+in a package of their own (tests/test_cache_patterns.py, tests/cache_patterns_worker.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from graphgear.config import CompilerConfig
+from graphgear.inference import cache_compile
+
+
+class SelfCachedMLP(torch.nn.Module):
+    """TorchAir's documented pattern: the module wraps its own bound method in ``__init__``."""
+
+    def __init__(self, config: CompilerConfig, cache_dir: str) -> None:
+        super().__init__()
+        self.l1 = torch.nn.Linear(16, 32)
+        self.l2 = torch.nn.Linear(32, 8)
+        self.cached_forward = cache_compile(self._forward, config=config, cache_dir=cache_dir)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l2(torch.relu(self.l1(x)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.cached_forward(x)
+
+
+class MLP(torch.nn.Module):
+    """A plain module, passed whole to ``cache_compile``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = torch.nn.Linear(16, 32)
+        self.l2 = torch.nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l2(torch.relu(self.l1(x)))
+
+
+def mlp_function(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """A plain function."""
+    return torch.relu(x @ w).sum(-1, keepdim=True) + x[:, :1]
+
+
+def logits_of(model: Any) -> Any:
+    """A closure over a transformers model."""
+
+    def run(input_ids: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=input_ids).logits
+
+    return run
