@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -20,6 +21,7 @@ use_private_inductor_cache()
 
 import torch  # noqa: E402
 
+T0 = time.perf_counter()  # "ready" is measured from here: import graphgear to the last output
 import graphgear  # noqa: E402
 from graphgear.inference import cache_compile  # noqa: E402
 from tests.models import cache_users  # noqa: E402
@@ -81,12 +83,15 @@ def main() -> None:
             out, ref = out.logits, ref.logits
         calls.append({"size": b, "sha": hashlib.sha256(out.contiguous().numpy().tobytes()).hexdigest(),
                       "err": float((out - ref).abs().max())})
+    ready_s = time.perf_counter() - T0  # eager references included: the same in every process
     counters = torch._dynamo.utils.counters
-    print(json.dumps({"calls": calls,
-                      "records": [{"name": r.name, "cache": r.cache, "reason": r.cache_reason}
+    print(json.dumps({"calls": calls, "ready_s": ready_s,
+                      "records": [{"name": r.name, "cache": r.cache, "reason": r.cache_reason,
+                                   "loaded_keys": r.loaded_keys}
                                   for r in graphgear.stats().graphs],
                       "unique_graphs": counters["stats"]["unique_graphs"],
-                      "frames_ok": counters["frames"]["ok"]}))
+                      "frames_ok": counters["frames"]["ok"],
+                      "stores": getattr(getattr(served, "cached_forward", served), "stores", None)}))
 
 
 if __name__ == "__main__":

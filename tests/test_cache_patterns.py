@@ -1,0 +1,197 @@
+"""cache_compile used the way TorchAir's users write it (tests/models/cache_users.py: model
+classes in their own module): each pattern, in both modes, with gears set on the first
+call's tensor and the other sizes arriving one call at a time as plain tensors, is served
+by a second process from the cache (every graph a hit, no dynamo trace, bit-identical
+outputs); a gear first seen later is stored once and hit by a third process; what torch's
+precompile cannot save runs uncached with one warning; a cache that cannot be written or
+an entry that cannot be trusted never breaks the call, and a planted payload never runs."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import graphgear
+from graphgear.inference import cache_compile
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = ROOT / "tests" / "cache_patterns_worker.py"
+MODES = ["max-autotune", "reduce-overhead"]
+
+
+def _run(folder: Path, pattern: str, mode: str, sizes: str, gears: str = "2,4,8") -> dict[str, Any]:
+    env = dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}{os.pathsep}{ROOT}")
+    p = subprocess.run([sys.executable, str(WORKER), pattern, "--mode", mode, "--dir", str(folder),
+                        "--sizes", sizes, "--gears", gears],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 0, p.stderr[-4000:]
+    out = json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("{")][-1])
+    out["log"] = p.stderr
+    return out
+
+
+def _folder(tmp_path: Path) -> Path:
+    folder = tmp_path / "cache"
+    folder.mkdir(mode=0o700)
+    return folder
+
+
+def _assert_served_from_cache(first: dict[str, Any], second: dict[str, Any]) -> None:
+    assert [r["cache"] for r in first["records"]] == ["stored"], first["log"][-3000:]
+    assert [r["cache"] for r in second["records"]] == ["hit"], second["log"][-3000:]
+    assert second["unique_graphs"] == 0 and second["frames_ok"] == 0  # no dynamo trace at all
+    assert [c["sha"] for c in second["calls"]] == [c["sha"] for c in first["calls"]]  # bit-identical
+    assert all(c["err"] < 1e-4 for c in first["calls"] + second["calls"])  # close to eager
+    assert "graphgear cache: refusing" not in second["log"]
+
+
+@pytest.mark.inductor
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("pattern, sizes", [("method", "4,2,8"), ("function", "8,2,4,8"), ("module", "4,2,8")])
+def test_second_process_serves_every_gear(tmp_path: Path, pattern: str, sizes: str, mode: str) -> None:
+    folder = _folder(tmp_path)
+    first = _run(folder, pattern, mode, sizes)
+    _assert_served_from_cache(first, _run(folder, pattern, mode, sizes))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("pattern", ["hf-closure", "hf-forward"])
+def test_second_process_serves_a_transformers_model(tmp_path: Path, pattern: str, mode: str) -> None:
+    """GPT-NeoX (a family the other cache tests do not use): a closure returning
+    ``.logits`` and the bound ``forward`` called with keywords (a ModelOutput back)."""
+    folder = _folder(tmp_path)
+    first = _run(folder, pattern, mode, "4,2,4,2", gears="2,4")
+    _assert_served_from_cache(first, _run(folder, pattern, mode, "4,2,4,2", gears="2,4"))
+
+
+@pytest.mark.inductor
+def test_gear_first_seen_later_is_stored_once_and_hit_by_a_third_process(tmp_path: Path) -> None:
+    folder = _folder(tmp_path)
+    first = _run(folder, "method", "max-autotune", "4,2")
+    second = _run(folder, "method", "max-autotune", "4,8")  # 8: not in the entry yet
+    assert [r["cache"] for r in second["records"]] == ["hit"] and second["unique_graphs"] == 0
+    assert second["stores"] == 1  # stored again once, for the new gear
+    third = _run(folder, "method", "max-autotune", "4,2,8")
+    assert [r["cache"] for r in third["records"]] == ["hit"] and third["unique_graphs"] == 0
+    assert third["records"][0]["loaded_keys"] == 3 and third["stores"] == 0
+    assert third["calls"][0]["sha"] == first["calls"][0]["sha"] == second["calls"][0]["sha"]
+    assert third["calls"][2]["sha"] == second["calls"][1]["sha"]
+
+
+@pytest.mark.inductor
+def test_a_local_class_runs_uncached_with_one_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    class Local(torch.nn.Module):  # defined in local scope: torch's precompile cannot save it
+        def __init__(self) -> None:
+            super().__init__()
+            self.l = torch.nn.Linear(8, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.relu(self.l(x))
+
+    model = Local().eval()
+    served = cache_compile(model, cache_dir=str(_folder(tmp_path)))
+    with caplog.at_level(logging.WARNING, logger="graphgear.cache"):
+        for i, b in enumerate([4, 2, 4]):
+            x = torch.randn(b, 8)
+            if i == 0:
+                graphgear.set_dim_gears(x, {0: [2, 4]})
+            with torch.no_grad():
+                torch.testing.assert_close(served(x), model(x))
+    warnings = [r.getMessage() for r in caplog.records if "cannot be stored" in r.getMessage()]
+    assert len(warnings) == 1 and "local" in warnings[0] and "module level" in warnings[0], warnings
+    records = graphgear.stats().graphs
+    assert records and all(r.cache == "unsupported" and "local" in r.cache_reason for r in records)
+    assert not list((tmp_path / "cache").glob("*.ggc"))
+
+
+def test_the_wrapper_pickles_as_a_placeholder_and_deepcopies_whole(tmp_path: Path) -> None:
+    import copy
+    import pickle
+
+    from tests.models.cache_users import SelfCachedMLP
+
+    model = SelfCachedMLP(graphgear.CompilerConfig(), str(_folder(tmp_path)))
+    loaded = pickle.loads(pickle.dumps(model))
+    with pytest.raises(RuntimeError, match="was unpickled.*cache_compile"):
+        loaded(torch.randn(2, 16))
+    clone = copy.deepcopy(model)
+    assert clone.cached_forward is not model.cached_forward
+    assert clone.cached_forward.fn.__self__ is clone  # the copy serves the copy's weights
+
+
+@pytest.mark.inductor
+def test_a_cache_that_cannot_be_written_still_returns_outputs(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    from graphgear import cache as gcache
+    from tests.models.cache_users import SelfCachedMLP
+
+    def disk_full(*args: Any, **kwargs: Any) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(gcache, "_write_entry", disk_full)
+    model = SelfCachedMLP(graphgear.CompilerConfig(), str(_folder(tmp_path))).eval()
+    with caplog.at_level(logging.WARNING, logger="graphgear.cache"):
+        for b in (4, 2):
+            x = torch.randn(b, 16)
+            if b == 4:
+                graphgear.set_dim_gears(x, {0: [2, 4]})
+            with torch.no_grad():
+                torch.testing.assert_close(model(x), model._forward(x))
+    stores = [r.getMessage() for r in caplog.records if "could not store" in r.getMessage()]
+    assert stores and "No space left" in stores[0], [r.getMessage() for r in caplog.records]
+    assert [r.cache for r in graphgear.stats().graphs] == ["miss"]
+
+
+def _plant(entry: Path, marker: Path) -> None:
+    """Replace the payload with a pickle that would create ``marker`` if it ever ran."""
+    import pickle
+
+    class Boom:
+        def __reduce__(self) -> Any:
+            return (open, (str(marker), "w"))
+
+    head, _, _ = entry.read_bytes().partition(b"\n{")
+    header_line = entry.read_bytes().split(b"\n")[1]
+    entry.write_bytes(head + b"\n" + header_line + b"\n" + pickle.dumps(Boom()))
+
+
+@pytest.mark.inductor
+@pytest.mark.parametrize("spoil", ["planted", "mode0644", "symlink", "folder0777"])
+def test_method_pattern_refuses_untrusted_entries_before_unpickling(tmp_path: Path, spoil: str) -> None:
+    folder = _folder(tmp_path)
+    first = _run(folder, "method", "max-autotune", "4,2")
+    (entry,) = folder.glob("*.ggc")
+    marker = tmp_path / "ran"
+    if spoil == "planted":
+        _plant(entry, marker)
+        os.chmod(entry, 0o600)
+        reason = "checksum does not match"
+    elif spoil == "mode0644":
+        os.chmod(entry, 0o644)
+        reason = "not 0600"
+    elif spoil == "symlink":
+        real = tmp_path / "elsewhere.ggc"
+        os.replace(entry, real)
+        entry.symlink_to(real)
+        reason = "symlink"
+    else:
+        os.chmod(folder, 0o777)
+        reason = "writable by"
+    second = _run(folder, "method", "max-autotune", "4,2")
+    if spoil == "folder0777":
+        os.chmod(folder, 0o700)
+    assert reason in second["log"], second["log"][-3000:]
+    assert not marker.exists()  # the planted payload never ran
+    assert "hit" not in [r["cache"] for r in second["records"]]
+    assert [c["sha"] for c in second["calls"]] == [c["sha"] for c in first["calls"]]  # recompiled, same
