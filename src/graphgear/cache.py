@@ -618,7 +618,13 @@ class CachedFunction:
         return lambda t: inherited.get(id(t)) or get_dim_gears(t)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        # inference: entries are compiled under no_grad, and their guards check grad mode
+        # inference: entries are compiled under no_grad, and their guards check grad mode. A
+        # call with an input that requires grad keeps grad mode (the guards then send it
+        # through torch.compile, with autograd); the module's own parameters do not count.
+        wants_grad = torch.is_grad_enabled() and any(
+            t.requires_grad for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+        if wants_grad:
+            return self._serve(args, kwargs)
         with torch.no_grad():
             return self._serve(args, kwargs)
 
@@ -858,7 +864,8 @@ def cache_compile(fn: Any, *, config: CompilerConfig | None = None, cache_dir: s
     ``dynamic=True`` keeps the dims marked by ``set_dim_gears`` dynamic (torch's
     ``dynamic=None``); ``False`` compiles every dim static. ``rank`` stores entries in a
     ``rank<N>`` sub-folder. Calls run under ``torch.no_grad()`` (the cache serves
-    inference: outputs carry no autograd history, whatever the caller's grad mode).
+    inference: outputs carry no autograd history) unless an input tensor requires grad in
+    grad mode: that call runs through plain ``torch.compile``, with autograd.
 
     Gears set (``set_dim_gears``) on a tensor of the first call hold for the tensor at the
     same place in later calls, so later sizes can arrive as plain tensors. What torch's
