@@ -72,10 +72,8 @@ def main() -> None:
             x = torch.randn(b, 16, generator=g)
         if i == 0:
             graphgear.set_dim_gears(x, {0: gears})
-        args: tuple = (x, w) if a.pattern == "function" else ()
+        args: tuple = {"function": (x, w), "hf-forward": ()}.get(a.pattern, (x,))
         kwargs: dict = {"input_ids": x} if a.pattern == "hf-forward" else {}
-        if a.pattern not in ("function", "hf-forward"):
-            args = (x,)
         out = served(*args, **kwargs)
         with torch.no_grad():
             ref = eager(*args, **kwargs)

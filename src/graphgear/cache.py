@@ -71,6 +71,7 @@ graphgear checks the gears itself.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import fcntl
 import hashlib
@@ -305,17 +306,21 @@ def _by_name(obj: Any) -> bool:
     return target is obj
 
 
-def _closure_functions(func: Any) -> Iterator[tuple[int, str, Any]]:
-    """``(cell index, free variable name, function)`` for each closure cell of ``func``
-    that holds a function (empty cells skipped)."""
+def _closure_cells(func: Any) -> Iterator[tuple[int, str, Any]]:
+    """``(cell index, free variable name, value)`` for each closure cell of ``func``
+    (empty cells skipped)."""
     names = getattr(getattr(func, "__code__", None), "co_freevars", ())
     for i, cell in enumerate(getattr(func, "__closure__", None) or ()):
         try:
             v = cell.cell_contents
         except ValueError:  # an empty cell
             continue
-        if inspect.isfunction(v):
-            yield i, names[i] if i < len(names) else "", v
+        yield i, names[i] if i < len(names) else "", v
+
+
+def _closure_functions(func: Any) -> Iterator[tuple[int, str, Any]]:
+    """The closure cells of ``func`` that hold a function."""
+    return ((i, name, v) for i, name, v in _closure_cells(func) if inspect.isfunction(v))
 
 
 def _unpicklable_free(func: Any) -> list[str]:
@@ -332,18 +337,14 @@ def _closure_objects(func: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
 
     def walk(f: Any, path: str, depth: int) -> None:
-        for i, _, v in _closure_functions(f):
-            if not _by_name(v):
-                out[f"{path}.{i}"] = v
-            if depth < 4:
-                walk(v, f"{path}.{i}", depth + 1)
-        for i, cell in enumerate(getattr(f, "__closure__", None) or ()):
-            try:
-                v = cell.cell_contents
-            except ValueError:  # an empty cell
-                continue
+        for i, _, v in _closure_cells(f):
             if isinstance(v, nn.Module):  # a closure over a model: its weights are not stored
                 out[f"{path}.{i}"] = v
+            elif inspect.isfunction(v):
+                if not _by_name(v):
+                    out[f"{path}.{i}"] = v
+                if depth < 4:
+                    walk(v, f"{path}.{i}", depth + 1)
 
     walk(func, "closure", 0)
     return out
@@ -588,22 +589,19 @@ class CachedFunction:
         self._fallback: Any = None
         self._warned = False
         self._warned_unsupported = False
-        self._leaf_gears: dict[str, dict[int, dict[int, list[int]]]] = {}  # input structure -> leaf -> gears
-        self.unsupported_reason = ""  # why torch's precompile cannot store fn ("" when it can)
+        self._leaf_gears: dict[Any, dict[int, dict[int, list[int]]]] = {}  # input TreeSpec -> leaf -> gears
 
     def _call(self, compiled: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self.module is not None:
             return compiled(self.module, *args, **kwargs)
         return compiled(*args, **kwargs)
 
-    def _gears_of(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> GearsOf:
-        """Gears per input tensor: its own (``set_dim_gears``), else those the tensor at
-        the same place in an earlier call had (TorchAir's usage: gears are set on the first
-        call's input, later sizes arrive as plain tensors and hit the same entry)."""
-        leaves, spec = pytree.tree_flatten((args, kwargs))
-        remembered = self._leaf_gears.get(str(spec))
-        if remembered is None:
-            remembered = self._leaf_gears[str(spec)] = {}
+    def _gears_of(self, leaves: list[Any], spec: Any) -> GearsOf:
+        """Gears per input tensor (``leaves``, ``spec``: the call's flattened inputs): its
+        own (``set_dim_gears``), else those the tensor at the same place in an earlier call
+        had (TorchAir's usage: gears are set on the first call's input, later sizes arrive
+        as plain tensors and hit the same entry)."""
+        remembered = self._leaf_gears.setdefault(spec, {})
         inherited: dict[int, dict[int, list[int]]] = {}
         for i, leaf in enumerate(leaves):
             if not isinstance(leaf, torch.Tensor):
@@ -621,15 +619,15 @@ class CachedFunction:
         # inference: entries are compiled under no_grad, and their guards check grad mode. A
         # call with an input that requires grad keeps grad mode (the guards then send it
         # through torch.compile, with autograd); the module's own parameters do not count.
+        leaves, spec = pytree.tree_flatten((args, kwargs))
         wants_grad = torch.is_grad_enabled() and any(
-            t.requires_grad for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+            t.requires_grad for t in leaves if isinstance(t, torch.Tensor))
         if wants_grad:
-            return self._serve(args, kwargs)
+            return self._serve(args, kwargs, self._gears_of(leaves, spec))
         with torch.no_grad():
-            return self._serve(args, kwargs)
+            return self._serve(args, kwargs, self._gears_of(leaves, spec))
 
-    def _serve(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        gears_of = self._gears_of(args, kwargs)
+    def _serve(self, args: tuple[Any, ...], kwargs: dict[str, Any], gears_of: GearsOf) -> Any:
         sig = _signature((args, kwargs), gears_of)
         known = self._keys.get(sig)
         if known is None:  # the full key (source, config, module...) once per signature
@@ -660,8 +658,6 @@ class CachedFunction:
         return _UnpickledCachedFunction, (_name_of(self.fn),)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> CachedFunction:
-        import copy
-
         fn = self.fn
         if inspect.ismethod(fn):  # the copy of the module, if it is being copied
             fn = getattr(copy.deepcopy(fn.__self__, memo), fn.__func__.__name__)
@@ -673,8 +669,7 @@ class CachedFunction:
         """``fn`` through plain ``torch.compile`` with graphgear (no cache). A bound method
         is compiled as the method: the module's own ``forward`` may call this wrapper."""
         if self._fallback is None:
-            target = self.module if self.module is not None and self.fn is self.module else self.fn
-            self._fallback = torch.compile(target, backend=get_backend(self.config),
+            self._fallback = torch.compile(self.fn, backend=get_backend(self.config),
                                            dynamic=None if self.dynamic else False)
         return self._fallback
 
@@ -785,12 +780,9 @@ class CachedFunction:
             log.warning("graphgear cache: %s cannot be stored in the compile cache: %s. It runs "
                         "through torch.compile with graphgear, without the cache. Fix: %s",
                         _name_of(self.fn), reason, _unsupported_fix(reason))
-        self.unsupported_reason = reason
-        fallback = self._uncached()
-        n1 = record_count()
-        for rec in records_since(n0)[: n1 - n0]:  # records of the precompile that failed
+        for rec in records_since(n0):  # records of the precompile that failed
             rec.cache, rec.cache_reason = "unsupported", reason
-        return _Unsupported(fallback, reason)
+        return _Unsupported(self._uncached(), reason)
 
     def _store(self, compiled: Any, key: str, parts: dict[str, str], stored: _Stored) -> bool:
         """Write the entry (after a compile, and again after a call that compiled a graph
