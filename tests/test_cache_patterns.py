@@ -194,3 +194,25 @@ def test_method_pattern_refuses_untrusted_entries_before_unpickling(tmp_path: Pa
     assert not marker.exists()  # the planted payload never ran
     assert "hit" not in [r["cache"] for r in second["records"]]
     assert [c["sha"] for c in second["calls"]] == [c["sha"] for c in first["calls"]]  # recompiled, same
+
+
+@pytest.mark.inductor
+def test_two_threads_serve_the_module_method_pattern(tmp_path: Path) -> None:
+    """Two threads call TorchAir's pattern at once from the first call on, each at its own
+    gear: each gets its own correct result, one entry file holds both gears."""
+    from tests.helpers import run_threads
+    from tests.models.cache_users import SelfCachedMLP
+
+    model = SelfCachedMLP(graphgear.CompilerConfig(), str(_folder(tmp_path))).eval()
+    inputs = [torch.randn(4, 16), torch.randn(2, 16)]
+    for x in inputs:  # both marked: which thread calls first is up to the scheduler
+        graphgear.set_dim_gears(x, {0: [2, 4, 8]})
+
+    def worker(i: int) -> None:
+        for _ in range(3):
+            out = model(inputs[i])
+            with torch.no_grad():
+                torch.testing.assert_close(out, model._forward(inputs[i]))
+
+    run_threads(worker, 2)
+    assert len(list((tmp_path / "cache").glob("*.ggc"))) == 1
