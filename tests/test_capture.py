@@ -643,13 +643,16 @@ def _fake_cuda_graph_class() -> type:
 
 @torch.no_grad()
 def test_cuda_graph_life_cycle_with_a_fake_device(monkeypatch: pytest.MonkeyPatch) -> None:
-    from graphgear.capture import engine
+    import dataclasses
+
+    from graphgear.capture import devices
     from graphgear.compilers import reduce_overhead as capture
 
     fake = _fake_cuda_graph_class()
     monkeypatch.setattr(capture, "graph_device", lambda inputs: torch.device("cuda"))
     monkeypatch.setattr(capture, "find_uncapturable", lambda gm, device: [])
-    monkeypatch.setattr(engine, "CUDAGraph", fake)
+    monkeypatch.setattr(devices, "DEVICE_KINDS",
+                        {**devices.DEVICE_KINDS, "cuda": dataclasses.replace(devices.DEVICE_KINDS["cuda"], graph=fake)})
     torch.manual_seed(0)
     net, ref = Cache(), Cache()
     ref.load_state_dict(net.state_dict())
@@ -714,7 +717,7 @@ def test_frozen_parameters_are_packed_constants_and_match_eager(batch: int) -> N
         assert_close(out, want, reduction=64)
         tok, ref_tok = out[:, -1:].argmax(-1), want[:, -1:].argmax(-1)
     (eng,) = [e for e in _engines() if e.entries]
-    ((_, ex, _),) = eng._executors.values()
+    (ex,) = eng.executor.made
     assert ex.native and hasattr(ex.run, "__wrapped__")  # weights are constants: args dropped
     r = _rec()
     assert (r.captures, r.fallbacks) == (1, [])

@@ -315,19 +315,19 @@ class GearedGraph:
         keys = [k for k in self.plan.all_keys(self.info.key(args)) if k not in self.warmed]
         snapshot = {j: args[j].clone() for j in self.mutated if isinstance(args[j], torch.Tensor)}
         bar = progress.get("bar")
-        progress["discard"] = True  # these calls' outputs are dropped (see CaptureEngine._warmup)
-        try:
-            for key in keys:
-                fn = self._get(key)
-                resized = _resize_args(self.info, args, key)
-                with torch.no_grad():
+        for key in keys:
+            fn = self._get(key)
+            resized = _resize_args(self.info, args, key)
+            with torch.no_grad():
+                pre = getattr(fn, "precompile", None)
+                if pre is not None:  # a capture engine: its warm-ups and capture
+                    pre(list(resized))
+                else:
                     for _ in range(self.calls_to_build):
                         fn(list(resized))
-                self.warmed.add(key)
-                if bar is not None:
-                    bar.update(1)
-        finally:
-            progress["discard"] = False
+            self.warmed.add(key)
+            if bar is not None:
+                bar.update(1)
         for j, saved in snapshot.items():
             args[j].copy_(saved)
 

@@ -167,10 +167,10 @@ def _compile_by_shape(
     compiled once, with dynamic shapes); reduce-overhead captures one static graph per
     key; run_eagerly runs the dynamic graph. Gears are checked (and padded) in every mode.
     """
-    compiler = MODE_COMPILERS[mode]
+    compiler = MODE_COMPILERS[mode](ctx)
     info = ShapeInfo(gm)
     if not info.is_dynamic:
-        return compiler(gm, example_inputs, ctx, key=(), loaded=_stored(ctx, mode, ()))
+        return compiler(gm, example_inputs, ctx.for_key((), _stored(ctx, mode, ())))
     plan = None
     if ctx.stage != "backward":
         plan = GearPlan.build(
@@ -198,13 +198,13 @@ def _compile_by_shape(
             if loaded is not None:
                 # the key's code is loaded; the dynamic graph stands in for the static
                 # one where the mode compiler runs the FX graph itself (warm-up)
-                fn = _convention(compiler(gm, example_inputs, ctx, key=key, loaded=loaded), boxed=True)
+                fn = _convention(compiler(gm, example_inputs, ctx.for_key(key, loaded)), boxed=True)
                 ctx.record.compile_seconds += time.perf_counter() - t0
                 log.info("graphgear: %s key %s loaded from the compile cache", ctx.record.name, key)
                 return fn
             static_gm, static_inputs = specialize(gm, info, key)
             static_pass_manager(ctx.config).run(static_gm, static_inputs, ctx.config, ctx.record)
-            fn = _convention(compiler(static_gm, static_inputs, ctx, key=key), boxed=True)
+            fn = _convention(compiler(static_gm, static_inputs, ctx.for_key(key)), boxed=True)
             ctx.record.compiles += 1
             ctx.record.compile_seconds += time.perf_counter() - t0
             log.info("graphgear: %s specialised to key %s", ctx.record.name, key)

@@ -69,18 +69,13 @@ from .pool import Arena, MemoryPool
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CPUExecutor", "CPUGraph", "StaticCompiler", "nbytes_of"]
+__all__ = ["CPUExecutor", "CPUGraph", "nbytes_of"]
 
 def nbytes_of(size: Sequence[int], stride: Sequence[int], dtype: torch.dtype) -> int:
     if any(s == 0 for s in size):
         return 0
     span = 1 + sum((s - 1) * st for s, st in zip(size, stride))
     return span * dtype.itemsize
-
-
-#: ``compile_static(gm, args, *, stage, static_idx)``: the native code of a static graph
-#: (boxed callable), given by the reduce-overhead compiler (Inductor, ``compilers.inductor``)
-StaticCompiler = Callable[..., Callable[[list[Any]], Any]]
 
 
 _SWITCH_LOCK = threading.Lock()
@@ -110,27 +105,16 @@ def _allocator_switch(g: dict[str, Any], name: str) -> threading.local:
 
 
 class CPUExecutor:
-    """The compiled code of one static graph, shared by all its captures: Inductor's
-    generated ``call`` (or the FX graph where Inductor cannot compile it) and the
-    thread-local allocator slot of its module."""
+    """The compiled code of one static graph as the CPU graph runs it, shared by all its
+    captures: Inductor's generated ``call`` (``compiled``; None where Inductor could not
+    compile the graph: the FX graph ``gm`` itself), the thread-local allocator slot of its
+    module, and its straight-line reading where there is one."""
 
-    def __init__(self, gm: fx.GraphModule, args: Sequence[Any], *, stage: str,
-                 static_idx: Sequence[int], name: str, compile_static: StaticCompiler | None) -> None:
+    def __init__(self, compiled: Callable[[list[Any]], Any] | None, gm: fx.GraphModule, name: str) -> None:
         self.native = False
         self.slot: threading.local | None = None
         self.straight: StraightLine | None = None
-        try:
-            if compile_static is None:
-                raise RuntimeError("no native compiler was given")
-            compiled = compile_static(gm, args, stage=stage, static_idx=static_idx)
-            g = inductor_wrapper_globals(compiled)
-        except Exception as e:  # Inductor could not compile it: record the FX graph
-            log.warning(
-                "graphgear: %s: Inductor could not compile this graph for the CPU graph "
-                "(%s: %s); capturing the FX graph itself (same memory rules, no speed-up).",
-                name, type(e).__name__, e,
-            )
-            compiled, g = None, None
+        g = inductor_wrapper_globals(compiled) if compiled is not None else None
         if compiled is not None:
             self.native = True
             self.run: Callable[[list[Any]], Any] = inductor_callable(compiled)

@@ -1,7 +1,7 @@
 """CUDA graphs: ``torch.cuda.CUDAGraph`` capture and replay of one static graph.
 
-The static graph is compiled once per graph key (:func:`cuda_executor`: Inductor when
-Triton is importable, else the FX graph as it is); every capture of that key (one per
+The static graph is compiled once per graph key by the mode compiler (Inductor when
+Triton is importable, else the FX graph as it is: ``devices.DEVICE_KINDS["cuda"]``); every capture of that key (one per
 thread, one per address of an input bound in place) reuses the compiled code: a
 re-capture never re-traces or recompiles. A capture warms the code up once on a side
 stream (inputs the graph mutates are restored afterwards, so the warm-up leaves no
@@ -21,36 +21,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch import fx
 
-from .._torch import has_triton
-from .cpu_graph import StaticCompiler
 from .pool import MemoryPool
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CUDAGraph", "cuda_executor"]
-
-
-def _has_triton() -> bool:
-    try:
-        return has_triton()
-    except Exception:
-        return False
-
-
-def cuda_executor(gm: fx.GraphModule, args: Sequence[Any], *, stage: str,
-                  static_idx: Sequence[int], name: str,
-                  compile_static: StaticCompiler | None) -> Callable[[list[Any]], Any]:
-    """The code a CUDA graph captures: ``compile_static`` (Inductor) when Triton is
-    importable, else the FX graph. Boxed (``fn(list_of_args)``)."""
-    if compile_static is not None and _has_triton():
-        try:
-            return compile_static(gm, args, stage=stage, static_idx=static_idx)
-        except Exception as e:
-            log.warning("graphgear: %s: Inductor could not compile the graph to capture "
-                        "(%s: %s); capturing the FX graph.", name, type(e).__name__, e)
-    return lambda a: gm(*a)
+__all__ = ["CUDAGraph"]
 
 
 class CUDAGraph:

@@ -8,22 +8,15 @@ kernels; Inductor is not used on the NPU).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import fx
 
 from .cuda_graph import CUDAGraph
 
 log = logging.getLogger(__name__)
 
-__all__ = ["NPUGraph", "npu_available", "npu_executor"]
-
-
-def npu_executor(gm: fx.GraphModule) -> Callable[[list[Any]], Any]:
-    """The code an NPU graph captures: the FX graph as it is."""
-    return lambda a: gm(*a)
+__all__ = ["NPUGraph", "npu_available"]
 
 
 def npu_available() -> bool:

@@ -10,8 +10,7 @@ from torch import fx
 from ..context import CompileContext
 
 
-def compile_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: CompileContext,
-                  key: tuple[int, ...] | None = None, loaded: Any = None) -> Callable[..., Any]:
+def compile_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: CompileContext) -> Callable[..., Any]:
     """The graph module itself: no capture, no code generation (nothing per key to
     store or load)."""
     return gm.forward

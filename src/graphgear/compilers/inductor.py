@@ -101,15 +101,15 @@ def prepare_for_inductor(gm: fx.GraphModule) -> int:
     return inline_decompositions(gm, inductor_fused_op_decompositions())
 
 
-def compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: CompileContext,
-                     key: tuple[int, ...] | None = None, loaded: KeyArtifact | None = None) -> Callable[..., Any]:
+def compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: CompileContext) -> Callable[..., Any]:
     """Compile ``gm`` with Inductor's graph compiler; returns Inductor's boxed callable.
 
     The gear dispatcher calls this once per gear with a static graph; a graph with
-    symbolic sizes compiles once for all of them. ``loaded`` (the compile cache): that
-    key's stored compiled graph, run instead of compiling; with ``ctx.artifacts`` and a
-    ``key`` the compiled graph is recorded there.
+    symbolic sizes compiles once for all of them. ``ctx.loaded`` (the compile cache):
+    that key's stored compiled graph, run instead of compiling; with ``ctx.artifacts``
+    and ``ctx.key`` the compiled graph is recorded there.
     """
+    loaded: KeyArtifact | None = ctx.loaded
     register_inductor_lowering()
     kernels.register_lowerings()
     if loaded is not None:
@@ -136,8 +136,8 @@ def compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: Com
             is_inference=ctx.stage == "inference",
             is_backward=ctx.stage == "backward",
         )
-    if ctx.artifacts is not None and key is not None:
-        ctx.artifacts.record(key, "inductor", compiled,
+    if ctx.artifacts is not None and ctx.key is not None:
+        ctx.artifacts.record(ctx.key, "inductor", compiled,
                              spec=pytree.treespec_dumps(spec) if spec is not None else None)
     return _unflattening(compiled, spec)
 

@@ -1,11 +1,13 @@
 """``mode="reduce-overhead"``: capture each static graph into a device graph and replay it.
 
-:func:`compile_reduce_overhead` is the mode compiler (the pipeline calls it once per
-graph key with a static graph). It checks what the device graph cannot hold
-(``capture_config.fallback``), then returns a
-:class:`~graphgear.capture.engine.CaptureEngine`, which warms up, captures on first
-use, and replays; the engine compiles the graph's native code with Inductor
-(:func:`graphgear.compilers.inductor.compile_static`) once, on its first capture.
+:class:`ReduceOverheadCompiler` is the mode compiler of one FX graph (the pipeline makes
+one per graph and calls it once per graph key with a static graph). For each key it
+checks what the device graph cannot hold (``capture_config.fallback``), compiles the
+graph's native code with Inductor (:func:`graphgear.compilers.inductor.compile_static`),
+or takes the compile cache's stored code, and only then makes the
+:class:`~graphgear.capture.engine.CaptureEngine` that warms up, captures on first use and
+replays that code. The engines of one graph share its capture group (pool, capture
+count) and, with ``frozen_parameter``, the copies of its frozen weights.
 """
 
 from __future__ import annotations
@@ -18,61 +20,90 @@ from typing import Any
 from torch import fx
 
 from .. import kernels
-from ..artifacts import KeyArtifact
-from ..capture import CaptureEngine, UncapturedGraph, find_uncapturable, graph_device
+from ..capture import (
+    CaptureEngine,
+    CaptureGroup,
+    Executor,
+    UncapturedGraph,
+    device_kind,
+    find_uncapturable,
+    graph_device,
+)
+from ..capture.entry import InputRoles
 from ..capture.rules import warn
 from ..context import CompileContext
 from ..errors import CaptureError
+from .executors import FrozenExecutor, native_code
 from .frozen import FrozenCopies
 from .inductor import compile_static
 
 log = logging.getLogger(__name__)
 
-__all__ = ["compile_reduce_overhead"]
+__all__ = ["ReduceOverheadCompiler"]
 
 
-def compile_reduce_overhead(
-    gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: CompileContext,
-    key: tuple[int, ...] | None = None, loaded: KeyArtifact | None = None,
-) -> Callable[..., Any]:
-    """The reduce-overhead compiler of one static graph: a boxed callable that captures
-    and replays, or (``fallback="eager"``) runs a graph that cannot be captured as it is.
+class ReduceOverheadCompiler:
+    """The reduce-overhead compiler of one FX graph (see the module docstring)."""
 
-    ``loaded`` (the compile cache): the key's Inductor code, stored by a first process
-    that captured it; the engine captures that code (no decomposition, no Inductor
-    compile) and ``gm`` (then possibly the dynamic graph) only runs its warm-up. With
-    ``ctx.artifacts`` and a ``key``, the code compiled at capture is recorded there."""
-    device = graph_device(example_inputs)
-    if loaded is not None:
-        code = loaded.code
-        kernels.register_lowerings()  # the stored code may call graphgear's kernels
-        return CaptureEngine(gm, example_inputs, ctx, device,
-                             compile_static=lambda *args, **kwargs: code, native_warmup=True)
-    blocked = find_uncapturable(gm, device)
-    if blocked:
-        for op, reason in blocked:
-            ctx.record.add_fallback(op, reason)
-        listing = "; ".join(f"{op}: {reason}" for op, reason in blocked)
-        if ctx.config.capture_config.fallback == "raise":
-            raise CaptureError(
-                f"graphgear: {ctx.record.name} ({ctx.stage}) cannot be captured into a "
-                f"{device.type} graph: {listing}. capture_config.fallback='raise' forbids running "
-                f"it uncaptured; set fallback='eager', or move the op out of the compiled region."
-            )
-        warn(
-            f"graphgear: {ctx.record.name} ({ctx.stage}) cannot be captured into a {device.type} "
-            f"graph ({listing}); it runs uncaptured (fallback='eager'). Move the op out of the "
-            f"compiled region to capture the rest, or set fallback='raise' to make this an error."
+    def __init__(self, ctx: CompileContext) -> None:
+        self.group = CaptureGroup.for_graph(ctx.record.name)
+        # the copies of frozen weights: the backend's (shared by its graphs), else this graph's
+        self.copies = ctx.frozen_copies if ctx.frozen_copies is not None else FrozenCopies()
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: CompileContext) -> Callable[..., Any]:
+        """A boxed callable that captures and replays ``gm``, or (``fallback="eager"``)
+        runs a graph that cannot be captured as it is.
+
+        ``ctx.loaded`` (the compile cache): the key's Inductor code, stored by a first
+        process that captured it; the engine captures that code (no decomposition, no
+        Inductor compile) and ``gm`` (then possibly the dynamic graph) only runs its
+        warm-up. With ``ctx.artifacts`` and ``ctx.key``, the code compiled here is
+        recorded there."""
+        device = graph_device(example_inputs)
+        blocked = find_uncapturable(gm, device) if ctx.loaded is None else []
+        if blocked:
+            return _uncapturable(gm, ctx, device, blocked)
+        kind = device_kind(device, ctx.record.name)
+        engine = functools.partial(CaptureEngine, gm, example_inputs, ctx, kind=kind, device=device,
+                                   group=self.group)
+        if ctx.loaded is not None:
+            kernels.register_lowerings()  # the stored code may call graphgear's kernels
+            return engine(executor=Executor(kind.code(ctx.loaded.code, gm, ctx.record.name)),
+                          native_warmup=True)
+        roles = InputRoles.of(example_inputs, stage=ctx.stage, static_inputs=ctx.static_inputs,
+                              mutated_inputs=ctx.mutated_inputs,
+                              clone_input=ctx.config.capture_config.clone_input)
+        code = functools.partial(native_code, gm=gm, kind=kind, stage=ctx.stage, static_idx=roles.static,
+                                 name=ctx.record.name)
+        # frozen_parameter on an inference graph: weights become constants, packed for the
+        # C++ GEMM template (small-M matrix products at batch 2 to 8); the CPU graph only.
+        # The code holds the weights' values: made per set of weights, on its first capture
+        if ctx.config.experimental_config.frozen_parameter and ctx.stage == "inference" and device.type == "cpu":
+            frozen = functools.partial(compile_static, frozen=True, copies=self.copies)
+            return engine(executor=FrozenExecutor(
+                lambda args: kind.code(code(frozen, args=args), gm, ctx.record.name)))
+        compiled = code(compile_static, args=roles.as_bound(example_inputs))
+        if compiled is not None and ctx.artifacts is not None and ctx.key is not None:
+            ctx.artifacts.record(ctx.key, "static", compiled)
+        return engine(executor=Executor(kind.code(compiled, gm, ctx.record.name)))
+
+
+def _uncapturable(gm: fx.GraphModule, ctx: CompileContext, device: Any,
+                  blocked: list[tuple[str, str]]) -> Callable[..., Any]:
+    """A graph with ops its device graph cannot hold: ``fallback='raise'`` raises, else it
+    runs as it is, with one warning."""
+    for op, reason in blocked:
+        ctx.record.add_fallback(op, reason)
+    listing = "; ".join(f"{op}: {reason}" for op, reason in blocked)
+    if ctx.config.capture_config.fallback == "raise":
+        raise CaptureError(
+            f"graphgear: {ctx.record.name} ({ctx.stage}) cannot be captured into a "
+            f"{device.type} graph: {listing}. capture_config.fallback='raise' forbids running "
+            f"it uncaptured; set fallback='eager', or move the op out of the compiled region."
         )
-        return UncapturedGraph(gm, ctx.record)
-    # frozen_parameter on an inference graph: weights become constants, packed for the C++
-    # GEMM template (small-M matrix products at batch 2 to 8); the CPU graph only
-    frozen = (ctx.config.experimental_config.frozen_parameter and ctx.stage == "inference"
-              and device.type == "cpu")
-    if frozen and ctx.frozen_copies is None:
-        ctx.frozen_copies = FrozenCopies()
-    native: Callable[..., Any] = functools.partial(compile_static, frozen=frozen,
-                                                   copies=ctx.frozen_copies if frozen else None)
-    if ctx.artifacts is not None and key is not None and not frozen:  # frozen code holds the weights
-        native = ctx.artifacts.recording(key, native)
-    return CaptureEngine(gm, example_inputs, ctx, device, compile_static=native, frozen=frozen)
+    warn(
+        f"graphgear: {ctx.record.name} ({ctx.stage}) cannot be captured into a {device.type} "
+        f"graph ({listing}); it runs uncaptured (fallback='eager'). Move the op out of the "
+        f"compiled region to capture the rest, or set fallback='raise' to make this an error."
+    )
+    return UncapturedGraph(gm, ctx.record)
