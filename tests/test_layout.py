@@ -188,3 +188,24 @@ def test_private_torch_apis_only_in_torch_module() -> None:
                 found.append(f"src/graphgear/{rel}:{i}: {' '.join(line.split())}")
     assert not found, ("private torch APIs outside graphgear/_torch.py (add a wrapper there):\n"
                        + "\n".join(found))
+
+
+#: Modules of the capture layer never reach back into what sits above it: the mode
+#: compilers hand the engine its compiled code, dispatch calls ``precompile``.
+_CAPTURE_NEVER_IMPORTS = ("graphgear.compilers", "graphgear.dispatch", "graphgear.pipeline",
+                          "graphgear.backend", "graphgear.cache")
+
+
+def test_capture_imports_no_compiler_and_no_dispatch() -> None:
+    found = [f"{mod}:{line} imports {target}" for mod, imps in sorted(_graph().items())
+             if mod.startswith("graphgear.capture")
+             for target, line, _ in imps
+             if any(target == n or target.startswith(n + ".") for n in _CAPTURE_NEVER_IMPORTS)]
+    assert not found, "\n".join(found)
+
+
+def test_no_module_over_500_lines() -> None:
+    """One concept a module: a module past 500 lines holds several (split it)."""
+    long = {f"src/graphgear/{p.relative_to(SRC)}": n for p in sorted(SRC.rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > 500}
+    assert not long, long
