@@ -22,8 +22,9 @@ LAYERS: list[set[str]] = [
     {"graphgear.errors", "graphgear._torch", "graphgear.cachedir", "graphgear.toy_decoder",
      "graphgear.toy_decoder_tp"},
     {"graphgear.config", "graphgear.stats", "graphgear.debug", "graphgear.context"},
-    {"graphgear.shapes", "graphgear.inputs", "graphgear.gears", "graphgear.padding", "graphgear.dispatch",
-     "graphgear.artifacts"},
+    {"graphgear.shapes", "graphgear.inputs", "graphgear.gears", "graphgear.artifacts"},
+    {"graphgear.dispatch"},  # a graph's callables by key, the gear guard, precompile_gears
+    {"graphgear.padding"},  # gear padding: its static hazard check and the padded call
     {"graphgear.capture"},
     {"graphgear.kernels"},  # graphgear's own C++ kernels: the passes and compilers put them in graphs
     {"graphgear.passes"},

@@ -1,6 +1,6 @@
 """The pipeline every aten-level graph goes through (:func:`compile_graph`): stats
 record → dump → FX passes → dump and op summary → dispatch by shape (one static graph
-per gear or graph key, :class:`~graphgear.gears.GearedGraph`) → the mode's compiler
+per gear or graph key, ``graphgear.dispatch``, padded between gears: ``graphgear.padding``) → the mode's compiler
 (``graphgear.compilers``)."""
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ from ._torch import aot_forward_returns, aot_tangents, is_boxed, make_boxed_func
 from .compilers import MODE_COMPILERS, op_support
 from .config import mode_of
 from .context import CompileContext
-from .dispatch import GearedGraph, output_specs, unsliceable_outputs
+from .dispatch import GearGuard, GraphFacts, KeyedGraph, ValueOnly
 from .gears import GearPlan
 from .inputs import aot_input_names, mutated_placeholders, static_input_indices
-from .padding import padding_hazards
+from .padding import PaddedBackward, PaddedCall
 from .passes import post_grad_pass_manager, static_pass_manager
-from .shapes import ShapeInfo, scalar_symbols, size_outputs, specialize, value_only_symbols
+from .shapes import ShapeInfo, scalar_symbols, specialize, value_only_symbols
 from .stats import new_record
 
 if TYPE_CHECKING:
@@ -210,35 +210,46 @@ def _compile_by_shape(
             log.info("graphgear: %s specialised to key %s", ctx.record.name, key)
             return fn
 
-    value_only = _value_only(gm, info, plan) if per_key else ((), ())
-    geared_syms = set(plan.sym_gears) if plan is not None else set()
-    padding = ctx.config.inference_config.gear_padding
-    geared = GearedGraph(
-        info,
-        plan,
-        build,
-        padding=padding,
-        out_specs=output_specs(gm, info),
-        unsliceable=unsliceable_outputs(gm, info),
-        hazards=padding_hazards(gm, info.symbols, geared_syms) if padding else (),
-        size_outputs=size_outputs(gm) if padding else (),
-        mutated=ctx.mutated_inputs,
-        record=ctx.record,
-        # training: a padded forward returns the caller's outputs sliced and keeps the
-        # saved activations at the gear's size; its backward gets the real-size tangents
-        # padded to that size, and slices the gradients it returns
-        caller_outputs=ctx.caller_outputs,
-        tangents=tangents,
-        # a Python int the graph only advances (no tensor depends on it): one key for all
-        value_only=value_only,
-        # Python ints that reach tensor values: past a few values, run the graph as it is
-        scalars=[i for i in scalar_symbols(info) if i not in geared_syms] if per_key else (),
-        uncompiled=_uncompiled(gm, ctx.record),
+    facts = _facts(gm, info, plan, ctx, per_key=per_key, tangents=tangents)
+    keyed = KeyedGraph(
+        facts, build, per_key=per_key, uncompiled=_uncompiled(gm, ctx.record),
         # reduce-overhead captures on the call after its warm-up runs
         calls_to_build=ctx.config.capture_config.warmup_iters + 1 if mode == "reduce-overhead" else 1,
     )
-    geared.per_key = per_key
-    return geared
+    return _dispatch(gm, facts, keyed, padding=ctx.config.inference_config.gear_padding)
+
+
+def _facts(gm: fx.GraphModule, info: ShapeInfo, plan: GearPlan | None, ctx: CompileContext, *,
+           per_key: bool, tangents: Sequence[int]) -> GraphFacts:
+    """What the dispatch of dynamic graph ``gm`` needs to know of it."""
+    value_only, value_outputs = _value_only(gm, info, plan) if per_key else ([], [])
+    geared = set(plan.sym_gears) if plan is not None else set()
+    # Python ints that reach tensor values: past a few values, run the graph as it is
+    scalars = [i for i in scalar_symbols(info) if i not in geared and i not in value_only] if per_key else []
+    return GraphFacts(
+        info=info, plan=plan, record=ctx.record, mutated=tuple(ctx.mutated_inputs),
+        # training: a padded forward returns the caller's outputs sliced and keeps the
+        # saved activations at the gear's size; its backward gets the real-size tangents
+        # padded to that size, and slices the gradients it returns
+        caller_outputs=ctx.caller_outputs, tangents=tuple(tangents),
+        # a Python int the graph only advances (no tensor depends on it): one key for all
+        value_only=tuple(value_only), value_outputs=tuple(value_outputs), scalars=tuple(scalars),
+    )
+
+
+def _dispatch(gm: fx.GraphModule, facts: GraphFacts, keyed: KeyedGraph, *, padding: bool) -> Callable[..., Any]:
+    """``keyed`` with what ``facts`` ask for around it: the padded backward (tangents of
+    a backward with gear padding; a backward has no gears), the gear guard (with the
+    padded call under ``padding``), the value-only ints."""
+    fn: Callable[..., Any] = keyed
+    if facts.tangents:
+        fn = PaddedBackward(gm, facts, keyed.get, per_key=keyed.per_key)
+    if facts.plan is not None:
+        padded = PaddedCall(gm, facts, keyed.get) if padding else None
+        fn = GearGuard(keyed, facts.plan, padded)
+    if facts.value_only:
+        fn = ValueOnly(fn, facts)
+    return fn
 
 
 def _convention(fn: Callable[..., Any], boxed: bool) -> Callable[..., Any]:

@@ -22,7 +22,22 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv, statically_known_tru
 
 from ._torch import FakeTensor, FakeTensorMode, tracing, unset_fake_temporarily
 
-__all__ = ["ShapeInfo", "graph_outputs", "scalar_symbols", "size_outputs", "specialize", "value_only_symbols"]
+__all__ = ["ShapeInfo", "graph_outputs", "scalar_symbols", "size_outputs", "specialize", "sym_dims",
+           "symbol_dims", "value_only_symbols", "with_sizes"]
+
+
+def sym_dims(v: Any) -> list[tuple[int, Any]]:
+    """``(dim, size expression)`` for each dim of ``v`` (an FX value: a node's
+    ``meta["val"]``) whose size is symbolic; empty where ``v`` is no tensor."""
+    if not isinstance(v, torch.Tensor):
+        return []
+    return [(d, s.node.expr) for d, s in enumerate(v.shape) if isinstance(s, torch.SymInt)]
+
+
+def symbol_dims(v: Any, index: dict[Any, int]) -> dict[int, int]:
+    """``{dim: index[symbol]}`` for each dim of ``v`` whose size is one of the symbols of
+    ``index`` itself (not an expression of it)."""
+    return {d: index[e] for d, e in sym_dims(v) if e in index}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,10 +58,9 @@ class ShapeInfo:
         for i, v in enumerate(self.vals):
             if isinstance(v, torch.SymInt):
                 self._note(v.node.expr, _Loc(i, None), seen)
-            elif isinstance(v, torch.Tensor):
-                for d, s in enumerate(v.shape):
-                    if isinstance(s, torch.SymInt):
-                        self._note(s.node.expr, _Loc(i, d), seen)
+            else:
+                for d, e in sym_dims(v):
+                    self._note(e, _Loc(i, d), seen)
         # Symbols that only occur inside expressions (s0*s1) cannot be read directly.
         self.unreadable = sorted(
             {str(s) for v in self.vals for s in _free_symbols(v)} - {str(s) for s in seen}
@@ -96,6 +110,33 @@ class ShapeInfo:
             return None
         ev = self.size_at(key)
         return [ev(s) for s in v.shape]
+
+    def args_at(self, args: Sequence[Any], key: Sequence[int],
+                resize: Callable[[int, torch.Tensor, list[int]], torch.Tensor]) -> list[Any]:
+        """``args`` at graph key ``key``: every symbolic size set to its value there, and
+        ``resize(j, tensor, shape)`` for each tensor whose shape differs at ``key``."""
+        size = self.size_at(key)
+        out = list(args)
+        for j, v in enumerate(self.vals):
+            a = args[j]
+            if isinstance(v, torch.SymInt):
+                out[j] = size(v)
+            elif isinstance(v, torch.Tensor) and isinstance(a, torch.Tensor):
+                shape = self.shape_at(j, key)
+                if shape != list(a.shape):
+                    out[j] = resize(j, a, shape)
+        return out
+
+    def resized_args(self, args: Sequence[Any], key: Sequence[int]) -> list[Any]:
+        """``args`` with every symbolic size set to ``key`` (zero-padded or narrowed)."""
+
+        def resize(j: int, a: torch.Tensor, shape: list[int]) -> torch.Tensor:
+            t = a.new_zeros(shape)
+            common = tuple(slice(0, min(x, y)) for x, y in zip(shape, a.shape))
+            t[common] = a[common]
+            return t
+
+        return self.args_at(args, key, resize)
 
     def concrete(self, key: Sequence[int]) -> list[Any]:
         """Example arguments (fake tensors in a new fake mode, or ints) at ``key``."""
@@ -186,6 +227,15 @@ def size_outputs(gm: fx.GraphModule) -> list[tuple[int, Any]]:
     return [(k, o.meta["val"]) for k, o in enumerate(graph_outputs(gm))
             if isinstance(o, fx.Node) and isinstance(o.meta.get("val"), torch.SymInt)
             and o.meta["val"].node.expr.free_symbols]
+
+
+def with_sizes(out: Any, outputs: Sequence[tuple[int, Any]], ev: Callable[[Any], int]) -> Any:
+    """``out`` with each output ``k`` of ``outputs`` (a SymInt of the graph's sizes) set
+    to its value under ``ev`` (the real sizes)."""
+    seq = list(out) if isinstance(out, list | tuple) else [out]
+    for k, v in outputs:
+        seq[k] = ev(v)
+    return type(out)(seq) if isinstance(out, list | tuple) else seq[0]
 
 
 def specialize(gm: fx.GraphModule, info: ShapeInfo, key: Sequence[int]) -> tuple[fx.GraphModule, list[Any]]:

@@ -5,7 +5,7 @@ slices the outputs back. That is exact only when each real row of the result dep
 real rows alone. :func:`padding_hazards` finds, once per graph, the nodes that break
 this for a padded dim (a dim whose size is a geared symbol ``s``); a padded call whose
 grown symbols meet one raises :class:`~graphgear.errors.GearError` before any work
-(:meth:`graphgear.dispatch.GearedGraph._run_padded`) instead of returning wrong values:
+(:class:`graphgear.padding.PaddedCall`) instead of returning wrong values:
 
 * **the size's value**: ``s`` used as a number rather than a shape (``x * x.shape[0]``,
   ``torch.tensor(n)``, ``full(..., s)``), or an index counted from the end of a padded
@@ -38,7 +38,8 @@ import sympy
 import torch
 from torch import fx
 
-from ._torch import OpOverload, op_name, op_schema
+from .._torch import OpOverload, op_name, op_schema
+from ..shapes import symbol_dims
 
 __all__ = ["PaddingHazard", "padding_hazards"]
 
@@ -90,16 +91,6 @@ def _val(n: Any) -> Any:
     return n.meta.get("val") if isinstance(n, fx.Node) else n
 
 
-def _dims(v: Any, index: dict[Any, int]) -> dict[int, int]:
-    """``{dim: symbol index}`` for each dim of tensor ``v`` whose size is a geared symbol."""
-    out: dict[int, int] = {}
-    if isinstance(v, torch.Tensor):
-        for d, s in enumerate(v.shape):
-            if isinstance(s, torch.SymInt) and s.node.expr in index:
-                out[d] = index[s.node.expr]
-    return out
-
-
 def _tensors(v: Any) -> Iterable[torch.Tensor]:
     if isinstance(v, torch.Tensor):
         yield v
@@ -146,7 +137,7 @@ def _as_dims(dim: Any, ndim: int) -> list[int] | None:
 
 
 def _along(padded: dict[int, int], dims: list[int] | None) -> set[int]:
-    """The symbols of the padded dims (``_dims``) among ``dims`` (None: every dim)."""
+    """The symbols of the padded dims (``symbol_dims``) among ``dims`` (None: every dim)."""
     return set(padded.values()) if dims is None else {padded[d] for d in dims if d in padded}
 
 
@@ -200,7 +191,7 @@ class _Checker:
             return
         dim = int(kw.get("dim", 0)) % max(src.dim(), 1)
         size = src.shape[dim] if src.dim() else None
-        padded = _dims(src, self.index).get(dim)
+        padded = symbol_dims(src, self.index).get(dim)
         if name == "select":
             idx = kw.get("index")
             syms = set(_syms_of(idx, self.index))
@@ -237,18 +228,18 @@ class _Checker:
             if self.masked_scores(node.args[0] if node.args else None, dims):
                 return
             had = {s for a in node.all_input_nodes for v in _tensors(_val(a))
-                   for s in _dims(v, self.index).values()}
-            kept = {s for v in _tensors(_val(node)) for s in _dims(v, self.index).values()}
+                   for s in symbol_dims(v, self.index).values()}
+            kept = {s for v in _tensors(_val(node)) for s in symbol_dims(v, self.index).values()}
             along = set()
             if isinstance(src, torch.Tensor) and "dim" in kw:
-                along = _along(_dims(src, self.index), dims)
+                along = _along(symbol_dims(src, self.index), dims)
             self.hazard(node, (had - kept) | along, "reduces over a padded dim")
         elif name in _ALONG_DIM:
             src = _val(node.args[0]) if node.args else None
             if not isinstance(src, torch.Tensor):
                 return
             dims = _as_dims(kw.get(_ALONG_DIM[name]), src.dim())
-            syms = _along(_dims(src, self.index), dims)
+            syms = _along(symbol_dims(src, self.index), dims)
             if syms and "softmax" in name and self.masked_scores(node.args[0], dims):
                 return
             self.hazard(node, syms, f"mixes or reorders values along a padded dim ({name})")
@@ -256,7 +247,7 @@ class _Checker:
             left, right = (_val(kw.get(a)) for a in _PRODUCTS[name])
             if not isinstance(left, torch.Tensor) or not isinstance(right, torch.Tensor):
                 return
-            k = _dims(left, self.index).get(left.dim() - 1)
+            k = symbol_dims(left, self.index).get(left.dim() - 1)
             if k is None or self.masked_scores(kw.get(_PRODUCTS[name][0]), [left.dim() - 1]):
                 return
             self.hazard(node, {k}, "a matrix product contracts over a padded dim")
@@ -265,7 +256,7 @@ class _Checker:
             key = _val(kw.get(k_arg))
             if not isinstance(key, torch.Tensor) or key.dim() < 2:
                 return
-            s = _dims(key, self.index).get(key.dim() - 2)
+            s = symbol_dims(key, self.index).get(key.dim() - 2)
             masked = (mask_arg is not None and kw.get(mask_arg) is not None) or bool(kw.get(causal_arg))
             if s is not None and not masked:
                 self.hazard(node, {s}, "attention over padded keys with neither a mask nor is_causal")
@@ -273,19 +264,19 @@ class _Checker:
             src = _val(kw.get("input"))
             if isinstance(src, torch.Tensor):
                 n = len(kw.get("normalized_shape") or ())
-                pd = _dims(src, self.index)
+                pd = symbol_dims(src, self.index)
                 self.hazard(node, {s for d, s in pd.items() if d >= src.dim() - n},
                             "a layer norm over a padded dim")
         elif name == "native_group_norm":
             src = _val(kw.get("input"))
             if isinstance(src, torch.Tensor):
-                self.hazard(node, {s for d, s in _dims(src, self.index).items() if d >= 1},
+                self.hazard(node, {s for d, s in symbol_dims(src, self.index).items() if d >= 1},
                             "a group norm over a padded dim")
         elif name in ("native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_functional",
                       "batch_norm"):
             src = _val(kw.get("input"))
             if isinstance(src, torch.Tensor) and kw.get("training"):
-                self.hazard(node, {s for d, s in _dims(src, self.index).items() if d != 1},
+                self.hazard(node, {s for d, s in symbol_dims(src, self.index).items() if d != 1},
                             "batch norm in training reduces over a padded dim")
 
     def masked_scores(self, x: Any, dims: set[int] | list[int] | None) -> bool:
@@ -296,7 +287,7 @@ class _Checker:
         v = _val(x)
         if not isinstance(x, fx.Node) or not isinstance(v, torch.Tensor) or v.dim() < 2:
             return False
-        if dims is None or set(dims) != {v.dim() - 1} or len(_dims(v, self.index)) < 2:
+        if dims is None or set(dims) != {v.dim() - 1} or len(symbol_dims(v, self.index)) < 2:
             return False
         if x in self.mask_seen:
             return self.mask_seen[x]
