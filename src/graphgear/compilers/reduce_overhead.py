@@ -18,7 +18,7 @@ from typing import Any
 from torch import fx
 
 from .. import kernels
-from ..artifacts import KeyArtifact
+from ..cache.artifacts import KeyArtifact
 from ..capture import CaptureEngine, UncapturedGraph, find_uncapturable, graph_device
 from ..capture.rules import warn
 from ..context import CompileContext
