@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from graphgear.cachedir import use_private_inductor_cache
+from graphgear.cache.store import use_private_inductor_cache
 
 use_private_inductor_cache()  # the worker processes inherit the private Inductor cache
 

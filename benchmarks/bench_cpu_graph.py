@@ -17,14 +17,14 @@ import sys
 import time
 from collections.abc import Callable
 
-from graphgear.cachedir import use_private_inductor_cache  # noqa: E402
+from graphgear.cache.store import use_private_inductor_cache  # noqa: E402
 
 use_private_inductor_cache()
 
 import torch  # noqa: E402
 
 import graphgear  # noqa: E402
-from graphgear.toy_decoder import ToyDecoder  # noqa: E402
+from graphgear.bench.toy_decoder import ToyDecoder  # noqa: E402
 
 
 def step_time(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], steps: int, max_pos: int) -> float:

@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from graphgear.cachedir import use_private_inductor_cache
+from graphgear.cache.store import use_private_inductor_cache
 
 use_private_inductor_cache()
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

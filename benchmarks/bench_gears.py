@@ -20,7 +20,7 @@ import copy
 import random
 import time
 
-from graphgear.cachedir import use_private_inductor_cache  # noqa: E402
+from graphgear.cache.store import use_private_inductor_cache  # noqa: E402
 
 use_private_inductor_cache()  # before torch: importing torch._dynamo fixes the cache folder
 
@@ -28,7 +28,7 @@ import torch  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 
 import graphgear  # noqa: E402
-from graphgear.toy_decoder import DecoderConfig, ToyDecoder  # noqa: E402
+from graphgear.bench.toy_decoder import DecoderConfig, ToyDecoder  # noqa: E402
 
 GEARS = [1, 2, 4, 8, 16, 32, 64]
 

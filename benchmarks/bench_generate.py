@@ -33,7 +33,7 @@ import sys
 import time
 from typing import Any
 
-from graphgear.cachedir import use_private_inductor_cache  # noqa: E402
+from graphgear.cache.store import use_private_inductor_cache  # noqa: E402
 
 use_private_inductor_cache()
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

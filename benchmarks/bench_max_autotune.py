@@ -25,14 +25,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from graphgear.cachedir import use_private_inductor_cache  # noqa: E402
+from graphgear.cache.store import use_private_inductor_cache  # noqa: E402
 
 use_private_inductor_cache()  # before torch: importing torch._dynamo fixes the cache folder
 
 import torch  # noqa: E402
 
 import graphgear  # noqa: E402
-from graphgear.toy_decoder import DecoderConfig, ToyDecoder  # noqa: E402
+from graphgear.bench.toy_decoder import DecoderConfig, ToyDecoder  # noqa: E402
 
 
 def step_inputs() -> tuple[torch.Tensor, torch.Tensor]:

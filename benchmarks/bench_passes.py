@@ -26,14 +26,14 @@ import statistics
 import time
 from typing import Any
 
-from graphgear.cachedir import use_private_inductor_cache  # noqa: E402
+from graphgear.cache.store import use_private_inductor_cache  # noqa: E402
 
 use_private_inductor_cache()  # before torch: importing torch._dynamo fixes the cache folder
 
 import torch  # noqa: E402
 
 import graphgear  # noqa: E402
-from graphgear.toy_decoder import DecoderConfig, ToyDecoder  # noqa: E402
+from graphgear.bench.toy_decoder import DecoderConfig, ToyDecoder  # noqa: E402
 
 FUSIONS = ("rms_norm_fusion", "rotary_fusion", "attention_fusion")
 

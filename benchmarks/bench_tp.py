@@ -3,8 +3,8 @@
     python benchmarks/bench_tp.py [--tp megatron|dtensor] [--batch-sizes 1 4] [--steps 30]
                                   [--rounds 5] [--json FILE]
 
-The embedded decoder (``graphgear.toy_decoder``, hidden 128, 2 layers) split over 2 ranks
-(``graphgear.toy_decoder_tp``: ``megatron`` by hand, or ``dtensor`` with
+The embedded decoder (``graphgear.bench.toy_decoder``, hidden 128, 2 layers) split over 2 ranks
+(``graphgear.bench.toy_decoder_tp``: ``megatron`` by hand, or ``dtensor`` with
 ``torch.distributed.tensor.parallel``). Contenders, each on its own copy of the split
 model: eager, ``torch.compile`` default (Inductor), graphgear ``max-autotune`` and
 ``reduce-overhead``. For scale, rank 0 also times the whole model alone (1 rank, no
@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from graphgear.cachedir import use_private_inductor_cache
+from graphgear.cache.store import use_private_inductor_cache
 
 use_private_inductor_cache()
 
@@ -41,8 +41,8 @@ import torch.multiprocessing as mp  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
 import graphgear  # noqa: E402
-from graphgear import toy_decoder_tp  # noqa: E402
-from graphgear.toy_decoder import DecoderConfig, ToyDecoder  # noqa: E402
+from graphgear.bench import toy_decoder_tp  # noqa: E402
+from graphgear.bench.toy_decoder import DecoderConfig, ToyDecoder  # noqa: E402
 
 WORLD = 2
 TP = ("eager", "torch.compile", "gg max-autotune", "gg reduce-overhead")

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from graphgear.cachedir import use_private_inductor_cache  # noqa: E402
+from graphgear.cache.store import use_private_inductor_cache  # noqa: E402
 
 use_private_inductor_cache()  # before torch: importing torch._dynamo fixes the cache folder
 
@@ -38,7 +38,7 @@ from torch import nn  # noqa: E402
 
 import graphgear  # noqa: E402
 import graphgear.passes.joint as joint  # noqa: E402
-from graphgear.toy_decoder import DecoderConfig, ToyDecoder  # noqa: E402
+from graphgear.bench.toy_decoder import DecoderConfig, ToyDecoder  # noqa: E402
 
 FUSIONS = ("rms_norm_fusion", "rotary_fusion", "attention_fusion")
 

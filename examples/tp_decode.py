@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 2 examples/tp_decode.py [--tp dtensor|megatron] [--steps 8]
 
 Each rank builds the same full model (the same seed, as a checkpoint loader would), keeps
-its shard (``graphgear.toy_decoder_tp``), compiles it with graphgear in reduce-overhead
+its shard (``graphgear.bench.toy_decoder_tp``), compiles it with graphgear in reduce-overhead
 with batch gears [1, 2, 4] and decodes greedily, checking every step's logits against the
 full model run eagerly on this rank. gloo on the CPU; on GPUs use ``--backend nccl``
 (untested: no GPU was available when this was written).
@@ -21,8 +21,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import graphgear
-from graphgear import toy_decoder_tp
-from graphgear.toy_decoder import DecoderConfig, ToyDecoder
+from graphgear.bench import toy_decoder_tp
+from graphgear.bench.toy_decoder import DecoderConfig, ToyDecoder
 
 log = logging.getLogger("tp_decode")
 

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-from graphgear.cachedir import use_private_inductor_cache  # noqa: E402
+from graphgear.cache.store import use_private_inductor_cache  # noqa: E402
 
 use_private_inductor_cache()
 
@@ -56,7 +56,7 @@ def decode(fn: Callable[..., torch.Tensor], steps: int, max_pos: int,
 
 def bench(steps: int, batch: int) -> bool:
     import graphgear
-    from graphgear.toy_decoder import ToyDecoder
+    from graphgear.bench.toy_decoder import ToyDecoder
 
     torch._dynamo.reset()
     graphgear.reset()

@@ -20,8 +20,8 @@ from typing import Any  # noqa: E402
 import torch  # noqa: E402
 
 import graphgear  # noqa: E402
-from graphgear.cachedir import use_private_inductor_cache  # noqa: E402
-from graphgear.toy_decoder import DecoderConfig, ToyDecoder  # noqa: E402
+from graphgear.bench.toy_decoder import DecoderConfig, ToyDecoder  # noqa: E402
+from graphgear.cache.store import use_private_inductor_cache  # noqa: E402
 
 T_IMPORTS = time.perf_counter() - T0
 

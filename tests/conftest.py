@@ -1,11 +1,11 @@
 """Shared test setup: one on-disk Inductor cache for every test and process (private to
-the user: ``graphgear.cachedir``), offline Hugging Face, deterministic seeds."""
+the user: ``graphgear.cache.store``), offline Hugging Face, deterministic seeds."""
 
 from __future__ import annotations
 
 import os
 
-from graphgear.cachedir import use_private_inductor_cache
+from graphgear.cache.store import use_private_inductor_cache
 
 use_private_inductor_cache()
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import graphgear
-from graphgear import cache as gcache
-from graphgear.cachedir import unsafe_reason
+from graphgear.cache import entry as gcache
+from graphgear.cache.store import unsafe_reason
 from graphgear.cli import main as cli_main
 from tests.helpers import run_threads
 
@@ -171,7 +171,7 @@ def test_graph_unpickler_refuses_unlisted_globals() -> None:
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from graphgear._torch import graph_pickle_loads
-    from graphgear.artifacts import ArtifactStore
+    from graphgear.cache.artifacts import ArtifactStore
 
     x = torch.randn(3)
     gm = make_fx(lambda x: torch.relu(x) + 1, tracing_mode="fake")(x)  # an aten graph, as AOTAutograd's

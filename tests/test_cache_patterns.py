@@ -133,7 +133,7 @@ def test_a_cache_that_cannot_be_written_still_returns_outputs(tmp_path: Path, ca
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     import errno
 
-    from graphgear import cache as gcache
+    from graphgear.cache import function as gcache
     from tests.models.cache_users import SelfCachedMLP
 
     def disk_full(*args: Any, **kwargs: Any) -> None:

@@ -400,7 +400,7 @@ def test_training_gradients_equal_eager() -> None:
 
 @torch.no_grad()
 def test_toy_decoder_greedy_decode_matches_eager() -> None:
-    from graphgear.toy_decoder import DecoderConfig, ToyDecoder
+    from graphgear.bench.toy_decoder import DecoderConfig, ToyDecoder
 
     cfg = DecoderConfig(vocab_size=64, hidden_size=32, num_layers=1, intermediate_size=64, max_seq_len=16,
                         max_batch_size=1)
@@ -677,7 +677,7 @@ def test_cuda_graph_life_cycle_with_a_fake_device(monkeypatch: pytest.MonkeyPatc
 
 
 def test_toy_decoder_training_gradients_equal_eager() -> None:
-    from graphgear.toy_decoder import DecoderConfig, ToyDecoder
+    from graphgear.bench.toy_decoder import DecoderConfig, ToyDecoder
 
     cfg = DecoderConfig(vocab_size=64, hidden_size=32, num_layers=1, intermediate_size=64, max_seq_len=16,
                         max_batch_size=2)
@@ -704,7 +704,7 @@ def test_toy_decoder_training_gradients_equal_eager() -> None:
 def test_frozen_parameters_are_packed_constants_and_match_eager(batch: int) -> None:
     """frozen_parameter on the CPU graph: weights become constants of the compiled code
     (packed for the C++ GEMM template), inputs stay inputs; results equal eager."""
-    from graphgear.toy_decoder import DecoderConfig, ToyDecoder
+    from graphgear.bench.toy_decoder import DecoderConfig, ToyDecoder
 
     cfg = DecoderConfig(vocab_size=64, hidden_size=32, num_layers=1, intermediate_size=64,
                         max_seq_len=16, max_batch_size=4)

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @torch.no_grad()
 def test_cuda_decoder_decode_matches_eager_and_replays() -> None:
-    from graphgear.toy_decoder import ToyDecoder
+    from graphgear.bench.toy_decoder import ToyDecoder
 
     torch.manual_seed(0)
     model, ref = ToyDecoder().cuda().eval(), ToyDecoder().cuda().eval()

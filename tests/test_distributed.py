@@ -30,8 +30,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import graphgear
-from graphgear import toy_decoder_tp
-from graphgear.toy_decoder import DecoderConfig, ToyDecoder
+from graphgear.bench import toy_decoder_tp
+from graphgear.bench.toy_decoder import DecoderConfig, ToyDecoder
 
 pytestmark = pytest.mark.distributed
 
@@ -49,7 +49,7 @@ def _free_port() -> int:
 
 
 def _entry(fn: Callable[..., Any], rank: int, port: int, out: str, pg_timeout: float, args: tuple) -> None:
-    from graphgear.cachedir import use_private_inductor_cache
+    from graphgear.cache.store import use_private_inductor_cache
 
     use_private_inductor_cache()  # the tests' shared Inductor cache (conftest is not run here)
     warnings.filterwarnings("ignore", category=FutureWarning)  # all_gather_tensor's deprecation

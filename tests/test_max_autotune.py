@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 import graphgear
-from graphgear.toy_decoder import DecoderConfig, ToyDecoder
+from graphgear.bench.toy_decoder import DecoderConfig, ToyDecoder
 from tests.helpers import assert_close
 
 
@@ -252,7 +252,7 @@ def test_second_process_compiles_from_the_disk_cache():
     script = textwrap.dedent("""
         import json, time, torch, graphgear
         from torch._dynamo.utils import counters
-        from graphgear.toy_decoder import DecoderConfig, ToyDecoder
+        from graphgear.bench.toy_decoder import DecoderConfig, ToyDecoder
         torch.manual_seed(0)
         cfg = graphgear.CompilerConfig(); cfg.mode = "max-autotune"
         f = torch.compile(ToyDecoder(DecoderConfig(num_layers=1)), backend=graphgear.get_backend(cfg))

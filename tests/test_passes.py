@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 import graphgear
+from graphgear.bench.toy_decoder import DecoderConfig, ToyDecoder
 from graphgear.passes import pass_names
 from graphgear.passes import patterns as pattern_mod
-from graphgear.toy_decoder import DecoderConfig, ToyDecoder
 from tests.helpers import assert_close
 
 aten = torch.ops.aten

@@ -215,7 +215,7 @@ def test_frozen_one_row_products_too_wide_to_fuse_stay_aten_products_and_equal_e
 
 
 def test_item1_decode_loop_keeps_last_logits_view() -> None:
-    from graphgear.toy_decoder import DecoderConfig, ToyDecoder
+    from graphgear.bench.toy_decoder import DecoderConfig, ToyDecoder
 
     cfg = DecoderConfig(vocab_size=64, hidden_size=32, num_layers=1, intermediate_size=64, max_seq_len=16)
     model, ref = ToyDecoder(cfg).eval(), ToyDecoder(cfg).eval()
@@ -1030,7 +1030,7 @@ def test_item16_suite_uses_a_private_per_user_inductor_cache() -> None:
     """conftest picked the cache: per-user (under the user's cache root: ``~/.cache``, or
     ``$XDG_CACHE_HOME`` where the user set one), mode 0700, not a fixed shared name under
     the temporary directory."""
-    from graphgear.cachedir import default_cache_root, inductor_cache_dir
+    from graphgear.cache.store import default_cache_root, inductor_cache_dir
 
     chosen = os.environ["TORCHINDUCTOR_CACHE_DIR"]
     assert chosen != os.path.join(tempfile.gettempdir(), "graphgear-inductor-cache")
@@ -1044,7 +1044,7 @@ def test_item16_suite_uses_a_private_per_user_inductor_cache() -> None:
 
 
 def test_item16_cache_dir_respects_xdg_and_is_created_private(tmp_path, monkeypatch) -> None:
-    from graphgear.cachedir import inductor_cache_dir
+    from graphgear.cache.store import inductor_cache_dir
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     path = inductor_cache_dir()
@@ -1055,14 +1055,14 @@ def test_item16_cache_dir_respects_xdg_and_is_created_private(tmp_path, monkeypa
 
 @pytest.mark.parametrize("where", ["inductor", "graphgear"])
 def test_item16_world_writable_cache_folder_is_not_used(tmp_path, monkeypatch, caplog, where) -> None:
-    from graphgear.cachedir import inductor_cache_dir
+    from graphgear.cache.store import inductor_cache_dir
 
     planted = tmp_path / "xdg" / "graphgear"
     (planted / "inductor").mkdir(parents=True)
     os.chmod(planted / where if where == "inductor" else planted, 0o777)
     (planted / "inductor" / "planted.py").write_text("raise SystemExit('planted')\n")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    with caplog.at_level(logging.WARNING, logger="graphgear.cachedir"):
+    with caplog.at_level(logging.WARNING, logger="graphgear.cache.store"):
         path = inductor_cache_dir()
     assert not path.startswith(str(planted)), path
     assert os.listdir(path) == []  # a fresh folder, nothing planted in it
@@ -1071,13 +1071,13 @@ def test_item16_world_writable_cache_folder_is_not_used(tmp_path, monkeypatch, c
 
 
 def test_item16_explicit_unsafe_cache_dir_is_replaced(tmp_path, monkeypatch, caplog) -> None:
-    from graphgear.cachedir import use_private_inductor_cache
+    from graphgear.cache.store import use_private_inductor_cache
 
     shared = tmp_path / "shared"
     shared.mkdir()
     os.chmod(shared, 0o777)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(shared))
-    with caplog.at_level(logging.WARNING, logger="graphgear.cachedir"):
+    with caplog.at_level(logging.WARNING, logger="graphgear.cache.store"):
         path = use_private_inductor_cache()
     assert path != str(shared) and os.environ["TORCHINDUCTOR_CACHE_DIR"] == path
     _private_dir(path)

@@ -233,7 +233,7 @@ def test_threads_calling_one_direct_path_get_their_own_results() -> None:
 @pytest.mark.inductor
 @torch.no_grad()
 def test_serve_runs_direct_and_direct_false_never_does() -> None:
-    from graphgear.toy_decoder import DecoderConfig, ToyDecoder
+    from graphgear.bench.toy_decoder import DecoderConfig, ToyDecoder
 
     cfg = DecoderConfig(vocab_size=64, hidden_size=32, num_layers=2, intermediate_size=64, max_seq_len=16)
     model, ref = ToyDecoder(cfg).eval(), ToyDecoder(cfg).eval()

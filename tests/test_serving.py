@@ -15,7 +15,7 @@ pytestmark = pytest.mark.inductor
 
 @torch.no_grad()
 def test_serve_decodes_like_eager_with_one_capture() -> None:
-    from graphgear.toy_decoder import DecoderConfig, ToyDecoder
+    from graphgear.bench.toy_decoder import DecoderConfig, ToyDecoder
 
     cfg = DecoderConfig(vocab_size=64, hidden_size=32, num_layers=2, intermediate_size=64, max_seq_len=16)
     model, ref = ToyDecoder(cfg).eval(), ToyDecoder(cfg).eval()

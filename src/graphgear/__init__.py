@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from . import inference
+from . import cache, inference  # cache first: see graphgear/cache/__init__.py
 from .backend import get_backend, get_compiler
 from .config import CompilerConfig
 from .errors import CaptureError, GearError
@@ -22,6 +22,7 @@ __all__ = [
     "CaptureError",
     "CompilerConfig",
     "GearError",
+    "cache",
     "get_backend",
     "get_compiler",
     "inference",

@@ -43,7 +43,7 @@ from ._torch import (
     tracing,
     unset_fake_temporarily,
 )
-from .bundle import GraphgearOutputCode, bundled_compiler
+from .cache.bundle import GraphgearOutputCode, bundled_compiler
 from .capture import MemoryPool
 from .compilers.frozen import FrozenCopies
 from .compilers.inductor import inductor_decompositions
@@ -303,7 +303,7 @@ class GraphgearBackend:
                         tag: str) -> tuple[Callable[..., Any], list[GraphgearOutputCode]]:
         """Compile as :meth:`__call__` does, keeping AOTAutograd's bundled entry
         (``result.serialize()``) whose compiled graphs are graphgear's
-        :class:`~graphgear.bundle.GraphgearOutputCode`; also returns those (one per
+        :class:`~graphgear.cache.bundle.GraphgearOutputCode`; also returns those (one per
         graph AOTAutograd compiled). ``tag`` keeps AOTAutograd's own on-disk copy of the
         entry apart from other compiles of the same graph (``_torch.aot_bundling``)."""
         made: list[GraphgearOutputCode] = []

@@ -31,7 +31,7 @@ class CompileContext:
     #: (:class:`~graphgear.compilers.frozen.FrozenCopies`; where none is given, the
     #: reduce-overhead compiler of a graph makes its own)
     frozen_copies: Any = None
-    #: the compile cache's :class:`~graphgear.artifacts.ArtifactStore` of this graph
+    #: the compile cache's :class:`~graphgear.cache.artifacts.ArtifactStore` of this graph
     #: (``graphgear.cache``): compiled keys are recorded in it, stored keys loaded from it
     artifacts: Any = None
     #: a training forward: how many of its outputs return to the caller (the rest are

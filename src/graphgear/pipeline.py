@@ -27,7 +27,7 @@ from .shapes import ShapeInfo, scalar_symbols, specialize, value_only_symbols
 from .stats import new_record
 
 if TYPE_CHECKING:
-    from .artifacts import ArtifactStore, KeyArtifact
+    from .cache.artifacts import ArtifactStore, KeyArtifact
     from .config import CompilerConfig
 
 log = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from graphgear.toy_decoder import DecoderConfig, ToyDecoder
+from graphgear.bench.toy_decoder import DecoderConfig, ToyDecoder
 
 
 class Net(nn.Module):

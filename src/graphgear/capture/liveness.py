@@ -64,7 +64,7 @@ from .._torch import (
     storage_use_count,
     tensor_use_count,
 )
-from ..cachedir import default_cache_root, unsafe_reason
+from ..cache.store import default_cache_root, unsafe_reason
 
 log = logging.getLogger(__name__)
 

@@ -44,7 +44,7 @@ from .._torch import (
     tracing,
     unset_fake_temporarily,
 )
-from ..artifacts import KeyArtifact, strip_cache_tag
+from ..cache.artifacts import KeyArtifact, strip_cache_tag
 from ..context import CompileContext
 from ..passes import PASSES_VERSION
 from ..passes.ops import inductor_fused_op_decompositions, inline_decompositions, register_inductor_lowering

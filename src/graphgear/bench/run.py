@@ -20,12 +20,12 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from .backend import get_backend
-from .config import CompilerConfig
-from .debug import text_table
-from .dispatch import precompile_gears
-from .gears import set_dim_gears
-from .stats import reset, stats
+from ..backend import get_backend
+from ..config import CompilerConfig
+from ..debug import text_table
+from ..dispatch import precompile_gears
+from ..gears import set_dim_gears
+from ..stats import reset, stats
 from .toy_decoder import DecoderConfig, ToyDecoder
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""The embedded decoder (:mod:`graphgear.toy_decoder`) split for tensor parallelism, two ways.
+"""The embedded decoder (:mod:`graphgear.bench.toy_decoder`) split for tensor parallelism, two ways.
 
 * :func:`megatron` writes the split by hand, Megatron-style: each rank keeps its share
   of the heads (column-parallel q/k/v, a slice of the KV cache) and of the MLP's
@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from ._torch import functional_all_reduce
+from .._torch import functional_all_reduce
 from .toy_decoder import Attention, ToyDecoder
 
 __all__ = ["MegatronAttention", "MegatronMLP", "dtensor", "megatron"]
@@ -38,7 +38,7 @@ def _check_split(model: ToyDecoder, world: int) -> None:
     for what, n in (("num_heads", cfg.num_heads), ("intermediate_size", cfg.intermediate_size),
                     ("vocab_size", cfg.vocab_size)):
         if n % world:
-            raise ValueError(f"graphgear.toy_decoder_tp: {what}={n} does not split over {world} ranks; "
+            raise ValueError(f"graphgear.bench.toy_decoder_tp: {what}={n} does not split over {world} ranks; "
                              f"pick a {what} divisible by the world size.")
 
 
@@ -110,7 +110,7 @@ def dtensor(model: ToyDecoder, mesh: DeviceMesh) -> ToyDecoder:
     default), so it runs over this rank's heads: ``num_heads`` and the KV cache are cut to
     this rank's share, as for :func:`megatron`."""
     if mesh.ndim != 1:
-        raise ValueError(f"graphgear.toy_decoder_tp.dtensor: expected a 1-D device mesh, got {mesh.ndim} dims; "
+        raise ValueError(f"graphgear.bench.toy_decoder_tp.dtensor: expected a 1-D device mesh, got {mesh.ndim} dims; "
                          f"pass mesh[\"tp\"] of a larger mesh.")
     world, rank = mesh.size(), mesh.get_local_rank()
     _check_split(model, world)

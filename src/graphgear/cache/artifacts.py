@@ -38,8 +38,8 @@ from typing import Any
 import torch
 from torch import fx
 
-from ._torch import graph_pickle_dumps, graph_pickle_loads, inductor_output_for_disk, inductor_output_load
-from .gears import get_dim_gears, set_dim_gears
+from .._torch import graph_pickle_dumps, graph_pickle_loads, inductor_output_for_disk, inductor_output_load
+from ..gears import get_dim_gears, set_dim_gears
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +76,8 @@ _ALLOWED: dict[str, frozenset[str]] = {m: frozenset(n.split()) for m, n in {
     "collections": "Counter OrderedDict defaultdict deque",
     "logging": "getLogger",
     "traceback": "FrameSummary",
-    "graphgear.artifacts": "ArtifactStore KeyArtifact",
-    "graphgear.bundle": "GraphgearOutputCode",
+    "graphgear.cache.artifacts": "ArtifactStore KeyArtifact",
+    "graphgear.cache.bundle": "GraphgearOutputCode",
     "sympy.core.add": "Add",
     "sympy.core.mul": "Mul",
     "sympy.core.power": "Pow",

@@ -5,7 +5,7 @@ runtime metadata (input mutations, output aliases, the wrappers it puts around t
 compiled code) plus the compiler's result, which must be an Inductor ``OutputCode``
 (``AOTAutogradCache.make_entry``). :class:`GraphgearOutputCode` is graphgear's: it runs
 graphgear's compiled callable (a geared dispatch, capture engines, Inductor's code) and
-carries the graph's :class:`~graphgear.artifacts.ArtifactStore` (the graph after the
+carries the graph's :class:`~graphgear.cache.artifacts.ArtifactStore` (the graph after the
 passes, each key's compiled code). Loading the entry in a later process
 (``_torch.load_bundled_entry``) rebuilds AOTAutograd's runtime wrappers without
 tracing and calls :meth:`GraphgearOutputCode.post_compile`, which rebuilds graphgear's
@@ -19,10 +19,10 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ._torch import OutputCode, boxed_convention
+from .._torch import OutputCode, boxed_convention
+from ..config import CompilerConfig
+from ..pipeline import rebuild_graph
 from .artifacts import ArtifactStore
-from .config import CompilerConfig
-from .pipeline import rebuild_graph
 
 __all__ = ["GraphgearOutputCode", "bundled_compiler"]
 
