@@ -1,5 +1,6 @@
 """The package's imports flow one way: backend → pipeline (stats, dumps, passes,
-dispatch by shape) → one compiler per mode → graphgear's kernels → capture per device,
+dispatch by shape) → one compiler per mode → the CPU passes → the post-grad passes →
+graphgear's kernels → capture per device,
 with shared leaves
 (errors, ``_torch``, config, context, stats, debug, shapes, gears) at the bottom. No cycle, no upward import,
 no import deferred into a function body to hide one."""
@@ -25,8 +26,11 @@ LAYERS: list[set[str]] = [
     {"graphgear.shapes", "graphgear.inputs", "graphgear.gears", "graphgear.padding", "graphgear.dispatch",
      "graphgear.artifacts"},
     {"graphgear.capture"},
-    {"graphgear.kernels"},  # graphgear's own C++ kernels: the passes and compilers put them in graphs
+    {"graphgear.cpu.kernels"},  # graphgear's own C++ kernels: the passes put them in graphs
     {"graphgear.passes"},
+    # the CPU passes of the static compile (they import the kernels and the pass manager;
+    # the compilers run them), the copies of frozen weights they make
+    {"graphgear.cpu"},
     {"graphgear.compilers"},
     {"graphgear.pipeline", "graphgear.bundle"},
     {"graphgear.backend"},

@@ -29,7 +29,7 @@ class CompileContext:
     #: set by the reduce-overhead compiler on first use
     capture_group: Any = None
     #: the copies of frozen weights this graph's gears share, with the other graphs of
-    #: its backend (:class:`~graphgear.compilers.frozen.FrozenCopies`; where none is
+    #: its backend (:class:`~graphgear.cpu.frozen.FrozenCopies`; where none is
     #: given, the reduce-overhead compiler makes one on first use with ``frozen_parameter``)
     frozen_copies: Any = None
     #: the compile cache's :class:`~graphgear.artifacts.ArtifactStore` of this graph

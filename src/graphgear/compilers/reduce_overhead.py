@@ -17,13 +17,13 @@ from typing import Any
 
 from torch import fx
 
-from .. import kernels
 from ..artifacts import KeyArtifact
 from ..capture import CaptureEngine, UncapturedGraph, find_uncapturable, graph_device
 from ..capture.rules import warn
 from ..context import CompileContext
+from ..cpu import kernels
+from ..cpu.frozen import FrozenCopies
 from ..errors import CaptureError
-from .frozen import FrozenCopies
 from .inductor import compile_static
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,8 @@ def compile_reduce_overhead(
     if frozen and ctx.frozen_copies is None:
         ctx.frozen_copies = FrozenCopies()
     native: Callable[..., Any] = functools.partial(compile_static, frozen=frozen,
-                                                   copies=ctx.frozen_copies if frozen else None)
+                                                   copies=ctx.frozen_copies if frozen else None,
+                                                   config=ctx.config, record=ctx.record)
     if ctx.artifacts is not None and key is not None and not frozen:  # frozen code holds the weights
         native = ctx.artifacts.recording(key, native)
     return CaptureEngine(gm, example_inputs, ctx, device, compile_static=native, frozen=frozen)
