@@ -76,7 +76,8 @@ def _kernel_calls() -> int:
     import gc
 
     from graphgear.capture import CaptureEngine
-    from graphgear.kernels import decode_attention, small_gemm
+    from graphgear.cpu.kernels import decode_attention_kernel as decode_attention
+    from graphgear.cpu.kernels import small_gemm_kernel as small_gemm
 
     ours = {decode_attention.kernel(), small_gemm.kernel()} - {None}
     return sum(c[0] in ours for o in gc.get_objects() if type(o) is CaptureEngine

@@ -17,7 +17,7 @@ import torch
 import torch.utils.dlpack
 
 import graphgear
-import graphgear.kernels.decode_attention as attention_kernel
+import graphgear.cpu.kernels.decode_attention_kernel as attention_kernel
 from graphgear.capture import CaptureEngine, liveness
 from graphgear.capture.cpu_graph import CPUGraph
 from tests.helpers import assert_close

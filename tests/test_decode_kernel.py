@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import graphgear
-import graphgear.kernels.decode_attention as attention_kernel
+import graphgear.cpu.kernels.decode_attention_kernel as attention_kernel
 from graphgear.capture import CaptureEngine
 from tests.helpers import assert_close, each_thread_count, ops_compiled, unbuildable_kernel
 from tests.helpers import make_backend as _ro

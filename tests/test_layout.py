@@ -1,5 +1,6 @@
 """The package's imports flow one way: backend → pipeline (stats, dumps, passes,
-dispatch by shape) → one compiler per mode → graphgear's kernels → capture per device,
+dispatch by shape) → one compiler per mode → the CPU passes → the post-grad passes →
+graphgear's kernels → capture per device,
 with shared leaves
 (errors, ``_torch``, config, context, stats, debug, shapes, gears) at the bottom. No cycle, no upward import,
 no import deferred into a function body to hide one."""
@@ -27,8 +28,11 @@ LAYERS: list[set[str]] = [
     {"graphgear.dispatch"},  # a graph's callables by key, the gear guard, precompile_gears
     {"graphgear.padding"},  # gear padding: its static hazard check and the padded call
     {"graphgear.capture"},
-    {"graphgear.kernels"},  # graphgear's own C++ kernels: the passes and compilers put them in graphs
+    {"graphgear.cpu.kernels"},  # graphgear's own C++ kernels: the passes put them in graphs
     {"graphgear.passes"},
+    # the CPU passes of the static compile (they import the kernels and the pass manager;
+    # the compilers run them), the copies of frozen weights they make
+    {"graphgear.cpu"},
     {"graphgear.compilers"},
     {"graphgear.pipeline", "graphgear.cache.bundle"},  # graphgear's graph in AOTAutograd's bundled entry
     {"graphgear.backend"},

@@ -822,7 +822,7 @@ def _flash(q, k, v, mask, scale=None):
 def _without_attention_kernel(monkeypatch) -> None:
     """As where graphgear's decode attention kernel cannot be built: the pass writes the
     attention out instead."""
-    import graphgear.kernels.decode_attention as attention_kernel
+    import graphgear.cpu.kernels.decode_attention_kernel as attention_kernel
 
     monkeypatch.setattr(attention_kernel, "kernel", lambda: None)
 

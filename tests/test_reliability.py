@@ -128,7 +128,7 @@ class _FourLinears(nn.Module):
 def _small_gemm(monkeypatch, on: bool) -> None:
     """graphgear's small-batch product on (the kernel must build here), or off (frozen
     products of 2 to 16 rows go to MKL and, four or more, Inductor's C++ wrapper)."""
-    import graphgear.kernels.small_gemm as small_gemm
+    import graphgear.cpu.kernels.small_gemm_kernel as small_gemm
 
     if on:
         assert small_gemm.kernel() is not None, "graphgear's small-batch product did not build"
@@ -146,7 +146,7 @@ def test_item1_frozen_cpp_wrapper_outputs_state_and_staleness_like_the_python_wr
     allocation record. Every way: outputs and the in-place state equal eager's at every
     call, and a view made under inference_mode goes stale when the next replay
     overwrites its output."""
-    from graphgear.compilers.mkl_pack import mkl_packing_available
+    from graphgear.cpu.passes.pack_frozen import mkl_packing_available
 
     if not mkl_packing_available():
         pytest.skip("this torch has no MKL")
@@ -177,7 +177,7 @@ def test_item5_threads_replaying_cpp_wrapper_graphs_get_their_own_results(monkey
     graphgear's own product they are kernel calls on recorded buffers: either way four
     threads starting cold together, each with its own rows, get their own results at
     every step."""
-    from graphgear.compilers.mkl_pack import mkl_packing_available
+    from graphgear.cpu.passes.pack_frozen import mkl_packing_available
 
     if not mkl_packing_available():
         pytest.skip("this torch has no MKL")

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import graphgear
-import graphgear.kernels.small_gemm as small_gemm
+import graphgear.cpu.kernels.small_gemm_kernel as small_gemm
 from graphgear.capture import CaptureEngine
 from tests.helpers import assert_close, each_thread_count, make_config, ops_compiled, unbuildable_kernel
 from tests.helpers import make_backend as _ro
@@ -141,7 +141,7 @@ def test_without_the_kernel_wide_one_row_products_stay_atens(monkeypatch) -> Non
     stay ATen's (nothing rewritten, nothing packed), a batch of 0 rows runs too, and
     results equal eager's."""
     from graphgear._torch import inductor_one_row_decompose_limit
-    from graphgear.kernels import small_linear
+    from graphgear.cpu.kernels import small_linear_kernel as small_linear
 
     monkeypatch.setattr(small_linear, "kernel", lambda: None)
     wide = inductor_one_row_decompose_limit() + 5
@@ -187,8 +187,8 @@ def test_frozen_weights_past_the_cache_stream_as_they_lie_with_no_copy(monkeypat
     graphgear's row-major product on the frozen weights themselves: nothing grouped,
     nothing packed, no copy held. Past 16 rows MKL's packing takes them as before.
     Results equal eager's at every step."""
-    import graphgear.compilers.mkl_pack as mkl_pack
-    from graphgear.kernels import small_linear
+    import graphgear.cpu.passes.pack_frozen as mkl_pack
+    from graphgear.cpu.kernels import small_linear_kernel as small_linear
 
     assert small_linear.kernel() is not None, "graphgear's row-major product did not build here"
     if not torch.backends.mkl.is_available():
@@ -235,7 +235,7 @@ def test_a_copied_backend_serves_with_a_store_of_its_own() -> None:
 def test_frozen_copies_live_as_long_as_a_gear_holds_them() -> None:
     """The store holds copies weakly: a copy no compiled code holds is made again; a
     copy of a copy is found again by how it was made, though made anew."""
-    from graphgear.compilers.frozen import FrozenCopies
+    from graphgear.cpu.frozen import FrozenCopies
 
     copies, w, made = FrozenCopies(), torch.randn(8, 4), []
 
@@ -298,9 +298,9 @@ def test_served_transformers_decoder_equals_eager_with_graphgears_products(monke
     _built()
     from transformers import StaticCache
 
-    import graphgear.compilers.mkl_pack as mkl_pack
+    import graphgear.cpu.passes.pack_frozen as mkl_pack
     from graphgear._torch import inductor_one_row_decompose_limit
-    from graphgear.kernels import small_linear
+    from graphgear.cpu.kernels import small_linear_kernel as small_linear
 
     if streamed:
         monkeypatch.setattr(mkl_pack, "last_level_cache_bytes", lambda: 1024)

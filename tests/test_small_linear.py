@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import graphgear
-import graphgear.kernels.small_linear as small_linear
+import graphgear.cpu.kernels.small_linear_kernel as small_linear
 from graphgear.capture import CaptureEngine
 from tests.helpers import assert_close, each_thread_count, make_config, ops_compiled, unbuildable_kernel
 

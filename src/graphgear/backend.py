@@ -45,9 +45,9 @@ from ._torch import (
 )
 from .cache.bundle import GraphgearOutputCode, bundled_compiler
 from .capture import MemoryPool
-from .compilers.frozen import FrozenCopies
 from .compilers.inductor import inductor_decompositions
 from .config import CompilerConfig, apply_options, mode_of
+from .cpu.frozen import FrozenCopies
 from .errors import ConfigError, GraphgearError
 from .gears import guard_gears_shape, keep_size_one_dynamic, set_dim_gears
 from .inputs import GraphInputs, aot_input_names, aot_input_positions

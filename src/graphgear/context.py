@@ -28,7 +28,7 @@ class CompileContext:
     static_inputs: list[int]
     mutated_inputs: list[int]
     #: the copies of frozen weights the graphs of one backend share
-    #: (:class:`~graphgear.compilers.frozen.FrozenCopies`; where none is given, the
+    #: (:class:`~graphgear.cpu.frozen.FrozenCopies`; where none is given, the
     #: reduce-overhead compiler of a graph makes its own)
     frozen_copies: Any = None
     #: the compile cache's :class:`~graphgear.cache.artifacts.ArtifactStore` of this graph

@@ -52,7 +52,7 @@ def compile_graph(
     ``fn(list_of_args)`` (which lets the callee free inputs early). ``artifacts`` (the
     compile cache): the graph after the passes, and each key's compiled code, are kept
     in it; :func:`rebuild_graph` builds the same callable from it in a later process.
-    ``frozen_copies`` (:class:`~graphgear.compilers.frozen.FrozenCopies`): the copies of
+    ``frozen_copies`` (:class:`~graphgear.cpu.frozen.FrozenCopies`): the copies of
     frozen weights this graph shares with the backend's other graphs.
     """
     mode = mode_of(config)

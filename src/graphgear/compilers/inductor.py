@@ -25,7 +25,6 @@ from torch import fx
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-from .. import kernels
 from .._torch import (
     FakeTensor,
     FakeTensorMode,
@@ -45,24 +44,26 @@ from .._torch import (
     unset_fake_temporarily,
 )
 from ..cache.artifacts import KeyArtifact, strip_cache_tag
+from ..config import CompilerConfig
 from ..context import CompileContext
+from ..cpu import kernels
+from ..cpu.frozen import FrozenCopies
+from ..cpu.passes import PackFrozenLinears, frozen_passes, unfrozen_passes
 from ..passes import PASSES_VERSION
+from ..passes.manager import PassManager
 from ..passes.ops import inductor_fused_op_decompositions, inline_decompositions, register_inductor_lowering
-from .frozen import FrozenCopies
-from .mkl_pack import MIN_ROWS as MKL_MIN_ROWS
-from .mkl_pack import group_frozen_products, pack_frozen_linears, pack_frozen_small, small_products_stream
-from .small_linear import route_small_products
+from ..stats import GraphRecord
 
 log = logging.getLogger(__name__)
 
 __all__ = ["cache_context", "compile_inductor", "compile_static", "decompose_static",
            "inductor_decompositions", "static_fakes"]
 
-# max-autotune sets no Inductor option of its own. Measured on the embedded decoder step
-# (benchmarks/bench_max_autotune.py --patches, one run, 2-core CPU, ratio to
-# torch.compile default): none 0.79x, freezing 0.78x, cpp_wrapper 0.77x, max_autotune CPP
-# GEMM 0.81x: all within the run's noise (~10 %) (freezing would also bake parameters
-# in, wrong for training).
+# max-autotune sets no Inductor option of its own: freezing, cpp_wrapper and max_autotune's
+# CPP GEMM were all within the noise on the embedded decoder step (benchmarks/
+# bench_max_autotune.py --patches; the figures: benchmarks/RESULTS.md,
+# "bench_max_autotune.py history"), and freezing would bake parameters in, wrong for
+# training.
 
 
 def inductor_decompositions() -> dict[Any, Any]:
@@ -116,9 +117,7 @@ def compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: Com
         return _unflattening(loaded.code, pytree.treespec_loads(loaded.spec) if loaded.spec else None)
     spec = _return_tuple(gm)
     if ctx.stage == "inference":  # (an op without a backward: inference graphs only)
-        routed = route_small_products(gm)
-        if routed:
-            ctx.record.passes["small_linear"] = ctx.record.passes.get("small_linear", 0) + routed
+        PassManager(unfrozen_passes()).run(gm, example_inputs, ctx.config, ctx.record)
     inlined = prepare_for_inductor(gm)
     inductor_replace_random(gm, example_inputs)  # as compile_fx does before compile_fx_inner
     if inlined:
@@ -190,18 +189,19 @@ def static_fakes(args: Sequence[Any], *, allow_constants: bool = False) -> list[
 
 #: The C++ wrapper for a frozen static graph with at least this many packed products
 #: (each an extern kernel call that the Python wrapper makes through torch's dispatcher,
-#: a few microseconds apiece with the caches cold after the product before it). Measured
-#: on bench_decode's small Qwen2 served step (29 packed products; 1 thread, same run,
-#: C++ / Python wrapper): batch 2 0.91, batch 4 0.89, batch 8 0.88. Without packed
-#: products (batch 1: one generated kernel) the C++ wrapper was slower (1.08-1.10: it
-#: converts every argument and allocates in C++, and the CPU graph then copies the
-#: outputs), so the Python wrapper and its allocation record stay there.
+#: a few microseconds apiece with the caches cold after the product before it): faster
+#: in bench_decode's small Qwen2 served step with its packed products. Without packed
+#: products (batch 1: one generated kernel) the C++ wrapper was slower (it converts every
+#: argument and allocates in C++, and the CPU graph then copies the outputs), so the
+#: Python wrapper and its allocation record stay there (benchmarks/bench_decode.py; the
+#: figures: benchmarks/RESULTS.md, "bench_decode.py history").
 CPP_WRAPPER_MIN_EXTERN_CALLS = 4
 
 
 def compile_static(
     gm: fx.GraphModule, args: Sequence[Any], *, stage: str, static_idx: Sequence[int],
     frozen: bool = False, copies: FrozenCopies | None = None,
+    config: CompilerConfig | None = None, record: GraphRecord | None = None,
 ) -> Callable[[list[Any]], Any]:
     """Inductor-compile a static-shape graph for a device graph to capture (the CPU
     graph records its allocations; a CUDA graph captures its kernels); boxed callable.
@@ -210,26 +210,27 @@ def compile_static(
     CPU): the static inputs that are parameters become constants of the graph, so the
     weights are packed once at compile time and every small-M matrix product is served
     from them (a decode step at batch 2 to 8: ATen's small-M GEMM reads weights at a
-    fifth of the one-row rate). Buffers and static-address inputs (a
+    fraction of the one-row rate). Buffers and static-address inputs (a
     KV cache's write position) stay inputs: they are state that may change between
     replays. The compiled code holds a packed copy: parameters changed in place
     afterwards are not seen. That is what ``frozen_parameter`` promises.
 
-    On the CPU, products of 2 to 16 rows with a frozen weight go to graphgear's own
-    small-batch product (:mod:`graphgear.kernels.small_gemm`, packed once here; an extern kernel writing
-    ``out=``, so the code stays straight-line; where the graph's weights of such products
-    outgrow the last-level cache, :func:`~.mkl_pack.small_products_stream`, to graphgear's
-    row-major product on the frozen weights themselves instead: no grouped or packed
-    copy), those of up to 64 rows (or where that
-    kernel cannot be built) to MKL's packed GEMM (:mod:`.mkl_pack`; products of the same
-    rows grouped into one first); one-row products are Inductor's decomposed
-    reductions (``decompose_mm_pass``), except those with a weight too wide for it, which
-    go to graphgear's row-major product on the frozen weight, unpacked
-    (:mod:`.small_linear`; see :func:`~.mkl_pack.pack_frozen_small`); products of more
-    rows Inductor's C++ GEMM template. A graph with at least
-    :data:`CPP_WRAPPER_MIN_EXTERN_CALLS` MKL products and no call of graphgear's kernels
-    (:mod:`graphgear.kernels`) is compiled
-    with Inductor's C++ wrapper (the CPU graph then copies its outputs to static buffers).
+    On the CPU the products go where :mod:`graphgear.cpu.passes` sends them, its passes
+    run in order by a :class:`~graphgear.passes.manager.PassManager` with ``config``
+    (its ``disabled_passes``, its ``debug.graph_dump``) and counted in ``record``: frozen,
+    products of 2 to 16 rows to graphgear's own packed product
+    (:mod:`graphgear.cpu.kernels.small_gemm_kernel`; where the graph's weights of such
+    products outgrow the last-level cache, to graphgear's row-major product on the frozen
+    weights themselves instead: no grouped or packed copy), those of up to 64 rows (or
+    where that kernel cannot be built) to MKL's packed GEMM (products of the same rows
+    grouped into one first); one-row products are Inductor's decomposed reductions
+    (``decompose_mm_pass``), except those with a weight too wide for it, which go to
+    graphgear's row-major product on the weight, unpacked; products of more rows
+    Inductor's C++ GEMM template. Not frozen (an inference graph), products of up to 16
+    rows read the weights as they lie, by graphgear's row-major product. A graph with at
+    least :data:`CPP_WRAPPER_MIN_EXTERN_CALLS` MKL products and no call of graphgear's
+    kernels (:mod:`graphgear.cpu.kernels`) is compiled with Inductor's C++ wrapper (the
+    CPU graph then copies its outputs to static buffers).
     """
     register_inductor_lowering()
     kernels.register_lowerings()
@@ -252,21 +253,12 @@ def compile_static(
         keep = _freeze_inputs(dgm, args, params)
         fakes = [fakes[i] for i in keep]
         static = [keep.index(i) for i in static if i in keep]
-        # frozen is CPU-only; it packs CPU fp32 weights only. Weights past the cache are
-        # read from memory every step: their small-M products stream them as they lie
-        # (graphgear's row-major product below), with no packed or grouped copy
-        stream = kernels.small_linear.kernel() is not None and small_products_stream(dgm)
-        packed_from = kernels.small_linear.MAX_ROWS + 1 if stream else MKL_MIN_ROWS
-        group_frozen_products(dgm, min_rows=packed_from, copies=copies)
-        if not stream:
-            pack_frozen_small(dgm, copies)
-        # graphgear's kernels (its product, its decode attention) are Python-level extern
-        # kernels (the CPU graph calls them directly): the C++ wrapper is for graphs of
-        # MKL's products only
-        mkl_products = pack_frozen_linears(dgm, min_rows=packed_from, copies=copies)
-        # one-row products too wide for Inductor's decomposition (and any small-M product
-        # left): graphgear's row-major product on the frozen weight itself, no packed copy
-        route_small_products(dgm)
+        # frozen is CPU-only; it packs CPU fp32 weights only. graphgear's kernels (its
+        # product, its decode attention) are Python-level extern kernels (the CPU graph
+        # calls them directly): the C++ wrapper is for graphs of MKL's products only
+        counts: dict[str, int] = {}
+        _cpu_passes(frozen_passes(dgm, copies), dgm, fakes, config, record, counts)
+        mkl_products = counts.get(PackFrozenLinears.name, 0)
         cpp_wrapper = mkl_products >= CPP_WRAPPER_MIN_EXTERN_CALLS and not kernels.calls_in(dgm)
         # products left: Inductor's C++ GEMM template for those of more rows than MKL's
         # packing takes; one-row ones stay Inductor's fused loops (those too wide for
@@ -279,7 +271,7 @@ def compile_static(
         inductor_mark_frozen(dgm, [n for n, _ in dgm.named_buffers() if n.startswith("_graphgear_")])
     elif stage == "inference":
         # weights passed in (they may change): small-M products read them as they lie
-        route_small_products(dgm)
+        _cpu_passes(unfrozen_passes(), dgm, fakes, config, record, {})
     patches["cpp_wrapper"] = cpp_wrapper
     inductor_replace_random(dgm, fakes)
     with cache_context(fakes, replace=True), inductor_config_patch(**patches):
@@ -294,6 +286,13 @@ def compile_static(
     if len(keep) == len(args):
         return compiled
     return inductor_drop_args(compiled, keep)
+
+
+def _cpu_passes(passes: Sequence[Any], gm: fx.GraphModule, fakes: Sequence[Any], config: CompilerConfig | None,
+                record: GraphRecord | None, counts: dict[str, int]) -> None:
+    """Run the CPU passes ``passes`` on ``gm`` (a default config where none is given:
+    nothing disabled, no dump), adding their changes to ``counts`` and ``record``."""
+    PassManager(passes).run(gm, fakes, config if config is not None else CompilerConfig(), record, counts=counts)
 
 
 def _drop_unused_constants(gm: fx.GraphModule) -> None:

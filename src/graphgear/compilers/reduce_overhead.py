@@ -19,7 +19,6 @@ from typing import Any
 
 from torch import fx
 
-from .. import kernels
 from ..capture import (
     CaptureEngine,
     CaptureGroup,
@@ -32,9 +31,10 @@ from ..capture import (
 from ..capture.entry import InputRoles
 from ..capture.rules import warn
 from ..context import CompileContext
+from ..cpu import kernels
+from ..cpu.frozen import FrozenCopies
 from ..errors import CaptureError
 from .executors import FrozenExecutor, native_code
-from .frozen import FrozenCopies
 from .inductor import compile_static
 
 log = logging.getLogger(__name__)
@@ -79,10 +79,12 @@ class ReduceOverheadCompiler:
         # C++ GEMM template (small-M matrix products at batch 2 to 8); the CPU graph only.
         # The code holds the weights' values: made per set of weights, on its first capture
         if ctx.config.experimental_config.frozen_parameter and ctx.stage == "inference" and device.type == "cpu":
-            frozen = functools.partial(compile_static, frozen=True, copies=self.copies)
+            frozen = functools.partial(compile_static, frozen=True, copies=self.copies, config=ctx.config,
+                                       record=ctx.record)
             return engine(executor=FrozenExecutor(
                 lambda args: kind.code(code(frozen, args=args), gm, ctx.record.name)))
-        compiled = code(compile_static, args=roles.as_bound(example_inputs))
+        compiled = code(functools.partial(compile_static, config=ctx.config, record=ctx.record),
+                        args=roles.as_bound(example_inputs))
         if compiled is not None and ctx.artifacts is not None and ctx.key is not None:
             ctx.artifacts.record(ctx.key, "static", compiled)
         return engine(executor=Executor(kind.code(compiled, gm, ctx.record.name)))

@@ -9,6 +9,12 @@ The joint-graph fusion passes (``experimental_config.fx_passes``) run earlier, o
 inference graph, or on a training graph's forward before differentiation (the joint
 graph where that cannot run): see :mod:`graphgear.passes.joint`.
 
+The CPU passes of a static Inductor compile (:mod:`graphgear.cpu.passes`: small-M
+products to graphgear's kernels and MKL's packed GEMM) run later, inside the compile
+(``compilers.inductor``), by the same pass manager; they sit above this package (they
+import the kernels and run on the decomposed graph), so their names are listed here
+(:data:`CPU_PASS_NAMES`).
+
 Every pass is switchable: its own option where it has one (``remove_noop_ops``,
 ``pattern_fusion_pass``, ``fx_passes``), and by name in
 ``experimental_config.disabled_passes`` (see :func:`pass_names`).
@@ -31,15 +37,16 @@ from .view_to_reshape import ViewToReshape
 
 
 def _source_hash() -> str:
-    """A hash of every pass's source (this package's files) and of graphgear's kernels
-    the passes put in graphs (``graphgear/kernels``: their ops and lowerings), as vLLM's
-    ``InductorPass.uuid()`` does: a pass that changes what it does to a graph in a way
-    the graph's text does not show (node metadata Inductor reads) changes it, with
-    nobody to remember a bump."""
+    """A hash of every pass's source (this package's files) and of the CPU package
+    (``graphgear/cpu``: the CPU passes of the static compile, and graphgear's kernels the
+    passes put in graphs, their ops and lowerings), as vLLM's ``InductorPass.uuid()``
+    does: a pass that changes what it does to a graph in a way the graph's text does not
+    show (node metadata Inductor reads) changes it, with nobody to remember a bump."""
     h = hashlib.sha256()
     here = Path(__file__).parent
-    for f in sorted(here.glob("*.py")) + sorted((here.parent / "kernels").glob("*.py")):
-        h.update(f"{f.parent.name}/{f.name}".encode())
+    root = here.parent
+    for f in sorted(here.glob("*.py")) + sorted((root / "cpu").rglob("*.py")):
+        h.update(f.relative_to(root).as_posix().encode())
         h.update(f.read_bytes())
     return h.hexdigest()[:16]
 
@@ -48,7 +55,13 @@ def _source_hash() -> str:
 #: cache never serves code compiled after another version of the passes.
 PASSES_VERSION = _source_hash()
 
+#: The CPU passes of a static Inductor compile (:mod:`graphgear.cpu.passes`), in the order
+#: they run: named here for ``disabled_passes`` (tests/test_cpu_passes.py checks that the
+#: passes carry these names).
+CPU_PASS_NAMES = ("group_frozen_products", "pack_frozen_small", "pack_frozen_linears", "small_linear")
+
 __all__ = [
+    "CPU_PASS_NAMES",
     "PASSES_VERSION",
     "GraphPass",
     "PassManager",
@@ -76,11 +89,13 @@ def default_passes(config: Any) -> list[GraphPass]:
 
 
 def pass_names() -> list[str]:
-    """Names of every built-in pass, in the order they run (joint passes first)."""
+    """Names of every built-in pass, in the order they run (joint passes first, the CPU
+    passes of the static compile last)."""
     return joint_pass_manager().names() + [
         RemoveNoopOps.name, PatternFusion.name, FoldRepeatKV.name, DecodeAttention.name, ReinplaceInputs.name,
         ViewToReshape.name,
         "post_grad_custom_pre_pass", "post_grad_custom_post_pass",
+        *CPU_PASS_NAMES,
     ]
 
 

@@ -3,9 +3,9 @@ attention written out in aten ops Inductor fuses into its kernels.
 
 At a decode step the query has one position. ATen's CPU flash-attention kernel
 (``_scaled_dot_product_flash_attention_for_cpu``) is built for blocks of queries: for
-one query it still transposes, allocates its scratch buffers and splits work, about
-25-50 µs a call whatever the size (4 heads of 32 over 64 keys is 8 K multiply-adds), and
-it reads every key of the cache, masked or not.
+one query it still transposes, allocates its scratch buffers and splits work, a fixed
+cost per call that dominates a short context's attention, and it reads every key of the
+cache, masked or not.
 
 It rewrites a CPU flash attention when
 
@@ -16,14 +16,13 @@ It rewrites a CPU flash attention when
 
 into, where every tensor is float32 and the mask is none or ``[1 or B, 1 or H, 1, L]``
 (bool or float32) and graphgear's kernel builds here, a call of
-``graphgear::decode_attention`` (:mod:`graphgear.kernels.decode_attention`: it reads
-only the key and value rows the mask lets through, once per key/value head; an extern
-kernel, so the code stays straight-line for the CPU graph), at any size: measured
-against the flash kernel with every position kept (1 thread; 2 threads alike): 0.66x
-(1 x 4 heads x 4096 keys x 64) to 0.96x (8 x 8 x 1024 x 128); with a third of a static
-cache written, 0.28x (8 x 4 x 1024 x 64). Served step of bench_decode's small Qwen2
-(1 thread, same run, kernel / written-out form): batch 1 0.97, batch 4 0.87, batch 8
-0.80.
+``graphgear::decode_attention`` (:mod:`graphgear.cpu.kernels.decode_attention_kernel`: it
+reads only the key and value rows the mask lets through, once per key/value head; an
+extern kernel, so the code stays straight-line for the CPU graph), at any size: it is
+faster than the flash kernel with every position kept, more so with a static cache
+partly written, and than the written-out form in the served step
+(benchmarks/bench_decode.py; the figures: benchmarks/RESULTS.md, "bench_decode.py
+history").
 
 Otherwise (bfloat16 or float16, another mask, no kernel), when the attention is small
 (batch x heads x keys x head dim at most :data:`MAX_MACS`: short contexts, where the
@@ -53,7 +52,7 @@ from torch import fx
 
 from .._torch import inductor_decomp_table, inductor_realize
 from ..config import mode_of
-from ..kernels import decode_attention as attention_kernel
+from ..cpu.kernels import decode_attention_kernel as attention_kernel
 from ..shapes import known_equal
 from .manager import GraphPass, node_val
 from .ops import inline_decompositions
@@ -67,14 +66,11 @@ __all__ = ["DecodeAttention", "decode_attention"]
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 #: The largest attention (batch x heads x keys x head dim multiply-adds) written out
-#: (graphgear's kernel takes float32 attention of any size).
-#: Measured on the small Qwen2 decode step (4 heads of 64, 1 thread; served step, pass
-#: on / off, same run): 64 keys at batch 8 (131 K) 0.92, batch 1 0.92; 256 keys at batch
-#: 1 / 4 / 8 (65 K / 262 K / 524 K) 0.88 / 0.93 / 0.93; 1024 keys at batch 1 (262 K)
-#: 0.85, at batch 4 (1 M) 1.02. Past that the flash kernel's blocked products win;
-#: below, its fixed cost per call does. (Before the query was stored once, Inductor
-#: recomputed its rotary embedding, sines and cosines, for every key: 256 keys at batch
-#: 4 was 1.22.)
+#: (graphgear's kernel takes float32 attention of any size). Past it the flash kernel's
+#: blocked products win; below, its fixed cost per call does (benchmarks/bench_decode.py
+#: with the pass on and off; the figures: benchmarks/RESULTS.md, "bench_decode.py
+#: history"). The query is stored once (``inductor_realize``): inlined, Inductor would
+#: recompute its rotary embedding for every key, which made the written-out form slower.
 MAX_MACS = 524288
 
 
@@ -146,7 +142,7 @@ def _fits(node: fx.Node) -> bool:
 
 
 def _kernel_fits(node: fx.Node) -> bool:
-    """Whether graphgear's kernel (:mod:`graphgear.kernels.decode_attention`) takes this
+    """Whether graphgear's kernel (:mod:`graphgear.cpu.kernels.decode_attention_kernel`) takes this
     attention: float32 throughout, a static head dim, and a mask it reads (none, or
     ``[1 or B, 1 or H, 1, L]`` bool or float32, also float32 values)."""
     found = _shapes(node)

@@ -1,11 +1,11 @@
 """graphgear's small-M matrix product for weights that are not frozen (decode batches 2
 to 16 in max-autotune and plain reduce-overhead, and batch 1 where a weight is too wide
-for Inductor's one-row decomposition).
+for Inductor's one-row decomposition): the op ``graphgear::small_linear``.
 
 Without ``frozen_parameter`` a weight may change between calls, so it cannot be packed
-once (:mod:`.small_gemm` does that for frozen weights); ATen's ``addmm``/``mm`` (MKL
-``sgemm``) then runs every decode product, and at a few rows it re-packs the weight
-panel on each call, reading the weights at a fifth to a third of the one-row rate.
+once (:mod:`.small_gemm_kernel` does that for frozen weights); ATen's ``addmm``/``mm``
+(MKL ``sgemm``) then runs every decode product, and at a few rows it re-packs the weight
+panel on each call, reading the weights at a fraction of the one-row rate.
 This kernel reads the weight as it lies (``[N, K]`` row-major, as ``nn.Linear`` holds
 it): for a group of weight rows (3 with AVX/AVX2, 4 with AVX-512) and up to 4 input
 rows at a time it keeps one vector of partial sums per (input row, weight row) in
@@ -13,17 +13,11 @@ registers while both stream along ``K``, and sums each vector once at the end. T
 weight rows are read from memory once for every input row; later row groups read them
 from the cache. Threads split the weight rows.
 
-Measured side by side (2026-12-03, 1 thread, AMD EPYC with AVX2; the 17 products of
-bench_decode's small Qwen2 step, 11.5 MB of weights; µs for all 17, ATen / this
-kernel / :mod:`.small_gemm` on packed weights): 2 rows 1867 / 644 / 435, 4 rows 2467 /
-689 / 570, 8 rows 2663 / 1018 / 950.
-
-At one row 8 weight rows stream side by side. ATen's ``sgemv`` there reads at about
-the rate of one thread whatever the thread count; the 15 products of bench_decode's
-large model (126 MB, from DRAM; 2026-12-03, same run, ATen / this kernel / ``torch.sum``
-over the same weights): 1 thread 10134 / 8527 / 8945 µs, 2 threads 9930 / 5438 / 6056.
-(3 or 4 rows of 1 or 2 vectors each, 2 rows of 4: 3-10 % slower; a software prefetch
-ahead of each stream: 25 % slower.)
+At one row 8 weight rows stream side by side: ATen's ``sgemv`` there reads at about
+the rate of one thread whatever the thread count, this kernel at the rate of the threads
+it has. Other tilings (3 or 4 rows of 1 or 2 vectors each, 2 rows of 4) and a software
+prefetch ahead of each stream were slower. The figures, against ATen and the packed
+:mod:`.small_gemm_kernel`: benchmarks/RESULTS.md, "bench_decode.py history".
 
 Sums run along ``K`` in vector lanes, in another order than ATen's: results agree to
 fp32 rounding, not bit for bit. Where the kernel cannot be built (no C++ compiler)
@@ -33,18 +27,16 @@ fp32 rounding, not bit for bit. Where the kernel cannot be built (no C++ compile
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from .._torch import register_inductor_extern_out
-from .build import VECTOR_PRELUDE, build, product_direct
+from .build import VECTOR_PRELUDE, KernelFn, build, extern_kernel
 
-__all__ = ["MAX_ROWS", "MIN_ROWS", "kernel", "register_lowering", "small_linear", "small_linear_out"]
+__all__ = ["MAX_ROWS", "MIN_ROWS", "SMALL_LINEAR", "kernel", "small_linear", "small_linear_out"]
 
 #: rows served: decode batches above 1 (one row stays Inductor's fused loops where it
-#: decomposes it: see :mod:`graphgear.compilers.small_linear`); past 16 rows ATen's
+#: decomposes it: see :mod:`graphgear.cpu.passes.route_small_linear`); past 16 rows ATen's
 #: GEMM does well enough
 MIN_ROWS = 2
 MAX_ROWS = 16
@@ -163,14 +155,15 @@ _ARGTYPES = ("const float*", "const float*", "const float*", "float*",
 
 
 @functools.cache
-def kernel() -> Callable[..., None] | None:
+def kernel() -> KernelFn | None:
     """The built kernel ``kernel(x, w, b, y, M, K, N, has_bias, threads)``, or None
     (logged once) where it cannot be built here."""
     return build("its small-batch product for weights that are not frozen", _ARGTYPES, _SOURCE,
                  f"products of {MIN_ROWS} to {MAX_ROWS} rows stay ATen's")
 
 
-def _args(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torch.Tensor) -> tuple[Any, ...]:
+def _args(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *,
+          out: torch.Tensor) -> tuple[Any, ...]:
     if not (x.dim() == 2 and w.dim() == 2 and out.dim() == 2 and x.is_contiguous() and w.is_contiguous()
             and out.is_contiguous() and x.dtype == w.dtype == out.dtype == torch.float32
             and x.device.type == w.device.type == out.device.type == "cpu"
@@ -185,36 +178,16 @@ def _args(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torch.T
             torch.get_num_threads())
 
 
-def small_linear_out(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *,
-                     out: torch.Tensor) -> torch.Tensor:
-    """``out = x @ w.T (+ b)``: the extern kernel Inductor's generated code calls."""
-    fn = kernel()
-    if fn is None:
-        raise RuntimeError("graphgear_small_linear: the kernel is not built here (see the warning "
-                           "logged by graphgear.kernels.small_linear); recompile the model.")
-    fn(*_args(x, w, b, out))
-    return out
-
-
-# read by capture/cpu_graph (kernel and _args looked up when called, as in small_linear_out)
-small_linear_out.graphgear_direct = product_direct(lambda: kernel(), lambda *a: _args(*a))  # type: ignore[attr-defined]
-
-
-@torch.library.custom_op("graphgear::small_linear", mutates_args=())
-def small_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+def _small_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     """``x @ w.T (+ b)`` (``[M, N]``) for ``w`` ``[N, K]`` as ``nn.Linear`` holds it;
     Inductor lowers it to the extern kernel."""
-    return small_linear_out(x.contiguous(), w.contiguous(), None if b is None else b.contiguous(),
-                            out=x.new_empty((x.shape[0], w.shape[0])))
-
-
-@small_linear.register_fake
-def _small_linear_fake(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty((x.shape[0], w.shape[0]))
 
 
-def register_lowering() -> None:
-    """Inductor's lowering of ``graphgear::small_linear`` (once per process)."""
-    register_inductor_extern_out(
-        torch.ops.graphgear.small_linear.default, small_linear_out, "graphgear_small_linear",
-        lambda x, w, *_rest: [x[0], w[0]])
+SMALL_LINEAR = extern_kernel("small_linear", _small_linear, kernel=lambda: kernel(), args=_args,
+                             out_size=lambda x, w, *_rest: [x[0], w[0]])
+#: the op: ``small_linear(x, w, b)``
+small_linear = SMALL_LINEAR.op
+#: ``small_linear_out(x, w, b=None, *, out)``: ``out = x @ w.T (+ b)``, the extern kernel
+#: Inductor's generated code calls
+small_linear_out = SMALL_LINEAR.out

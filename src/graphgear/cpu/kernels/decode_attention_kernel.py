@@ -4,7 +4,8 @@ lets through.
 A decode step's attention has one query position and a KV cache of ``L`` positions.
 transformers' ``StaticCache`` (and any fixed-size cache a CPU graph replays) holds
 ``max_cache_len`` positions, most of them not written yet; the mask says which count.
-ATen's flash kernel, its written-out form (:mod:`graphgear.passes.decode_attention`)
+ATen's flash kernel, its written-out form (:mod:`graphgear.passes.decode_attention`, the
+pass that puts this kernel's op ``graphgear::decode_attention`` in graphs)
 and torch.compile's code read every position, masked or not. This kernel first reads
 the mask row (``L`` bytes), then reads the key and value rows of the positions it lets
 through, once per key/value head for all the query heads that share it
@@ -22,23 +23,21 @@ left gives zeros (as ATen's flash kernel), not NaN. Float32 only (the callers ke
 other dtypes on their own paths). Summation order differs from ATen's: results agree
 to fp32 rounding, not bit for bit.
 
-Measured: see :data:`graphgear.passes.decode_attention.MAX_MACS` and the README.
+The figures: benchmarks/RESULTS.md, "bench_decode.py history", and the README.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from .._torch import register_inductor_extern_out
-from ..shapes import known_equal
-from .build import VECTOR_PRELUDE, build
+from ...shapes import known_equal
+from .build import VECTOR_PRELUDE, KernelFn, build, extern_kernel
 
-__all__ = ["decode_attention", "decode_attention_out", "default_scale", "kernel", "mask_fits", "register_lowering"]
+__all__ = ["DECODE_ATTENTION", "decode_attention", "decode_attention_out", "default_scale", "kernel", "mask_fits"]
 
 _SOURCE = VECTOR_PRELUDE + r"""
 #include <cmath>
@@ -212,7 +211,7 @@ _ARGTYPES = ("const float*", "const float*", "const float*", "const uint8_t*", "
 
 
 @functools.cache
-def kernel() -> Callable[..., None] | None:
+def kernel() -> KernelFn | None:
     """The built kernel (see ``_SOURCE`` for its arguments), or None (logged once) where
     it cannot be built here."""
     return build("its decode attention kernel", _ARGTYPES, _SOURCE,
@@ -232,8 +231,8 @@ def mask_fits(mask: Any, batch: Any, heads: Any, length: Any) -> bool:
             and known_equal(one, 1) and known_equal(n, length))
 
 
-def _args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-          out: torch.Tensor) -> tuple[Any, ...]:
+def _args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None, *,
+          scale: float, out: torch.Tensor) -> tuple[Any, ...]:
     ok = (q.dim() == 4 and k.dim() == 4 and q.shape[2] == 1 and k.shape == v.shape and out.shape == q.shape
           and q.dtype == k.dtype == v.dtype == out.dtype == torch.float32
           and q.shape[0] == k.shape[0] and q.shape[3] == k.shape[3] and k.shape[1] > 0
@@ -256,54 +255,21 @@ def _args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
             torch.get_num_threads())
 
 
-def decode_attention_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
-                         *, scale: float, out: torch.Tensor) -> torch.Tensor:
-    """The attention of the one query of ``q`` into ``out``: the extern kernel
-    Inductor's generated code calls."""
-    fn = kernel()
-    if fn is None:
-        raise RuntimeError("graphgear_decode_attention: the kernel is not built here (see the warning logged "
-                           "by graphgear.kernels); recompile the model.")
-    fn(*_args(q, k, v, mask, scale, out))
-    return out
-
-
-def _direct(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> tuple[Any, tuple[Any, ...], None]:
-    """The CPU graph's kernel-call replay calls the built kernel itself: checked once
-    here when its calls are made, no Python frame per replay."""
-    kw = dict(kwargs or {})
-    out, scale = kw.pop("out"), kw.pop("scale")
-    q, k, v, *rest = args
-    fn = kernel()
-    assert fn is not None  # a graph that calls it was compiled with it
-    return fn, _args(q, k, v, rest[0] if rest else None, scale, out), None
-
-
-decode_attention_out.graphgear_direct = _direct  # type: ignore[attr-defined]  # read by capture/cpu_graph
-
-
-@torch.library.custom_op("graphgear::decode_attention", mutates_args=())
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                     scale: float) -> torch.Tensor:
+def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                      scale: float) -> torch.Tensor:
     """SDPA of ``q`` (``[B, H, 1, D]``) over ``k``, ``v`` (``[B, KV, L, D]``) with an
     optional mask (``[1 or B, 1 or H, 1, L]``, bool or float), skipping the positions
     it masks out; ``[B, H, 1, D]`` float32. Inductor lowers it to the extern kernel."""
-    return decode_attention_out(q.contiguous(), k.contiguous(), v.contiguous(),
-                                None if mask is None else mask.contiguous(), scale=scale,
-                                out=q.new_empty(q.shape))
-
-
-@decode_attention.register_fake
-def _decode_attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                           scale: float) -> torch.Tensor:
     return q.new_empty(q.shape)
 
 
-def register_lowering() -> None:
-    """Inductor's lowering of ``graphgear::decode_attention`` (once per process)."""
-    register_inductor_extern_out(
-        torch.ops.graphgear.decode_attention.default, decode_attention_out, "graphgear_decode_attention",
-        lambda q, *_rest: list(q), lambda scale: {"scale": scale})
+DECODE_ATTENTION = extern_kernel("decode_attention", _decode_attention, kernel=lambda: kernel(), args=_args,
+                                 out_size=lambda q, *_rest: list(q), call_kwargs=lambda scale: {"scale": scale})
+#: the op: ``decode_attention(q, k, v, mask, scale)``
+decode_attention = DECODE_ATTENTION.op
+#: ``decode_attention_out(q, k, v, mask=None, *, scale, out)``: the attention of the one
+#: query of ``q`` into ``out``, the extern kernel Inductor's generated code calls
+decode_attention_out = DECODE_ATTENTION.out
 
 
 def default_scale(head_dim: int) -> float:

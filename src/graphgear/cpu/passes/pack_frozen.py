@@ -1,4 +1,6 @@
-"""Frozen CPU weights packed for MKL's GEMM (``frozen_parameter``, decode batches).
+"""The frozen-weight passes of a static CPU compile (``frozen_parameter``, decode batches):
+``group_frozen_products``, ``pack_frozen_small`` and ``pack_frozen_linears``, run in that
+order by ``compilers.inductor.compile_static`` (see :func:`graphgear.cpu.passes.frozen_passes`).
 
 A decode step multiplies a few rows (the batch) by every weight matrix. ATen's
 ``addmm``/``mm`` (MKL ``sgemm``) re-packs the weight panel on each call, which at small M
@@ -6,22 +8,17 @@ costs as much as the product itself, and Inductor's one-row decomposition
 (``decompose_mm_pass``) and C++ GEMM template reach about half of MKL's packed rate;
 MKL's packed GEMM (``mkl::_mkl_linear`` over a weight packed once by
 ``mkl::_mkl_reorder_linear_weight``, the ops Inductor's own ``freezing`` uses for fp32
-linears) does not re-pack.
-
-Measured side by side (2026-12-01, 1 thread, this project's 2-core CPU, which varied by
-2x during the day, so only same-run ratios count): one ``nn.Linear`` K = 256, N = 2048,
-M = 8: ATen 344 µs, Inductor's C++ template 377 µs (dynamo's call included, ~35 µs),
-packed 164 µs. In the whole served step of bench_decode's Qwen2 (hidden 256, 29 products
-a step, each an extern call) the gain is smaller, because the template's products sit
-inside generated C++ with no call overhead: batch 8 4385 -> 4099 µs, 4171 -> 4052 µs
-(two runs); hidden 1024 (128 MB of weights, past the caches) batch 8 23.4 -> 22.2 ms.
+linears) does not re-pack. The served step is faster with it, by less than the product
+alone is, because the template's products sit inside generated C++ with no call
+overhead (benchmarks/bench_decode.py; the figures: benchmarks/RESULTS.md,
+"bench_decode.py history").
 
 Products of 2 to 16 rows go to graphgear's own small-batch product first
-(:func:`pack_frozen_small`, :mod:`graphgear.kernels.small_gemm`: faster, and it keeps the generated code
-straight-line), or, where their weights outgrow the last-level cache
-(:func:`small_products_stream`), to graphgear's row-major product on the frozen weights
-as they lie (:mod:`graphgear.compilers.small_linear`); MKL takes the rest, and all of
-them where those kernels cannot be built.
+(:func:`pack_frozen_small`, :mod:`graphgear.cpu.kernels.small_gemm_kernel`: faster, and it
+keeps the generated code straight-line), or, where their weights outgrow the last-level
+cache (:func:`small_products_stream`), to graphgear's row-major product on the frozen
+weights as they lie (:mod:`.route_small_linear`); MKL takes the rest, and all of them
+where those kernels cannot be built.
 
 :func:`pack_frozen_linears` rewrites, in a static graph whose weights are constants
 (``get_attr``: graphgear froze them), every ``mm(x, W.T)`` / ``addmm(b, x, W.T)`` whose
@@ -36,24 +33,29 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import fx
 
-from ..kernels import small_gemm
-from .frozen import FrozenCopies, copy_of
+from ...passes.manager import GraphPass
+from ..frozen import FrozenCopies, copy_of
+from ..kernels import small_gemm_kernel as small_gemm
+from .rewrite import replace_node, transposed
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MAX_ROWS", "MIN_ROWS", "group_frozen_products", "last_level_cache_bytes", "mkl_packing_available",
-           "pack_frozen_linears", "pack_frozen_small", "small_products_stream"]
+__all__ = ["MAX_ROWS", "MIN_ROWS", "GroupFrozenProducts", "PackFrozenLinears", "PackFrozenSmall",
+           "group_frozen_products", "last_level_cache_bytes", "mkl_packing_available", "pack_frozen_linears",
+           "pack_frozen_small", "small_products_stream"]
 
 aten = torch.ops.aten
 
 #: row counts packed: the decode batches above 1. At one row Inductor's decomposed
-#: product fuses with its neighbours and was faster in the model (Qwen2 hidden 256,
-#: served step 3113 µs unpacked, 3455 µs packed, same run)
+#: product fuses with its neighbours and was faster in the served step
+#: (benchmarks/bench_decode.py)
 MIN_ROWS = 2
 MAX_ROWS = 64
 
@@ -95,14 +97,7 @@ def _constant(gm: fx.GraphModule, node: object) -> torch.Tensor | None:
 def _transposed_weight(gm: fx.GraphModule, node: object) -> fx.Node | None:
     """The ``get_attr`` node of ``W`` when ``node`` is ``W.T`` (``t`` or ``permute(1, 0)``)
     of a 2-D contiguous fp32 CPU constant."""
-    if not isinstance(node, fx.Node) or node.op != "call_function":
-        return None
-    if node.target is aten.t.default:
-        src = node.args[0]
-    elif node.target is aten.permute.default and list(node.args[1]) == [1, 0]:
-        src = node.args[0]
-    else:
-        return None
+    src = transposed(node)
     w = _constant(gm, src)
     if (w is None or w.dim() != 2 or w.dtype != torch.float32 or w.device.type != "cpu"
             or not w.is_contiguous() or w.requires_grad):
@@ -167,12 +162,8 @@ def pack_frozen_linears(gm: fx.GraphModule, *, min_rows: int = MIN_ROWS, max_row
             gm.register_buffer(name, copy_of(copies, "mkl", [w], lambda w=w, rows=rows:
                                              torch.ops.mkl._mkl_reorder_linear_weight(w, rows), extra=(rows,)))
             packed[(str(w_node.target), rows)] = name
-        with g.inserting_before(node):
-            p_node = g.get_attr(name)
-            new = g.call_function(torch.ops.mkl._mkl_linear.default, (x, p_node, w_node, bias, rows))
-        new.meta = dict(node.meta)
-        node.replace_all_uses_with(new)
-        g.erase_node(node)
+        replace_node(g, node, lambda x=x, name=name, w_node=w_node, bias=bias, rows=rows: g.call_function(
+            torch.ops.mkl._mkl_linear.default, (x, g.get_attr(name), w_node, bias, rows)))
         count += 1
     if count:
         g.eliminate_dead_code()
@@ -186,13 +177,9 @@ def small_products_stream(gm: fx.GraphModule) -> bool:
     :data:`small_gemm.MAX_ROWS` rows together outgrow the last-level cache
     (:func:`last_level_cache_bytes`): then every step reads them from memory, where
     graphgear's row-major product streams the frozen weight itself faster than
-    :func:`pack_frozen_small`'s packed copy, which also doubles the weights' memory
-    (2026-12-03, bench_decode's large Qwen2, 128 MB of weights, served step at batch 8,
-    same run, packed / streamed by this rule: 2 threads 21566 / 16892 µs; an earlier A/B
-    with the products grouped and MKL off, packed / row-major: 1 thread 22980 / 19294,
-    2 threads 16920 / 13909).
-    Where they fit, the packed copy is faster (small Qwen2, 11.6 MB in a 32 MB cache,
-    batch 4 944 / 1117 µs, batch 8 2474 / 2626)."""
+    :func:`pack_frozen_small`'s packed copy, which also doubles the weights' memory.
+    Where they fit, the packed copy is faster (benchmarks/bench_decode.py, its small and
+    large models; the figures: benchmarks/RESULTS.md, "bench_decode.py history")."""
     weights: dict[str, int] = {}
     for node in gm.graph.nodes:
         found = _frozen_product(gm, node, small_gemm.MIN_ROWS, small_gemm.MAX_ROWS)
@@ -206,19 +193,17 @@ def small_products_stream(gm: fx.GraphModule) -> bool:
 def pack_frozen_small(gm: fx.GraphModule, copies: FrozenCopies | None = None) -> int:
     """Rewrite ``gm``'s products with frozen weights of :data:`small_gemm.MIN_ROWS` to
     :data:`small_gemm.MAX_ROWS` rows to graphgear's own packed product
-    (``graphgear::packed_linear``, :mod:`graphgear.kernels.small_gemm`); returns how
+    (``graphgear::packed_linear``, :mod:`graphgear.cpu.kernels.small_gemm_kernel`); returns how
     many. Run before :func:`pack_frozen_linears`, which packs what is left for MKL.
     Nothing is rewritten where the kernel cannot be built here.
 
     One-row products are not packed. Those Inductor decomposes stay its fused loops:
-    they fuse with their neighbours, and were faster in the model (2026-12-02, served
-    step, hidden 256 471 against 530 µs packed, hidden 128 140 against 149 µs). Those
-    too wide for its one-row decomposition (``decompose_mm_pass``: a real model's MLP
-    and vocabulary products, which would stay ATen's ``sgemv``) go to graphgear's
-    row-major product on the frozen weight itself (:mod:`.small_linear`), which streams
-    it faster than the packed product and needs no packed copy (2026-12-03, the large
-    bench model's MLP products and a 151936 x 896 vocabulary, from DRAM, same run,
-    packed / row-major: 1 thread 53.1 / 43.7 ms, 2 threads 31.7 / 26.9)."""
+    they fuse with their neighbours, and were faster in the served step. Those too wide
+    for its one-row decomposition (``decompose_mm_pass``: a real model's MLP and
+    vocabulary products, which would stay ATen's ``sgemv``) go to graphgear's row-major
+    product on the frozen weight itself (:mod:`.route_small_linear`), which streams it
+    faster than the packed product and needs no packed copy (benchmarks/bench_decode.py;
+    the figures: benchmarks/RESULTS.md, "bench_decode.py history")."""
     g = gm.graph
     found_any = [(n, f) for n in g.nodes
                  if (f := _frozen_product(gm, n, small_gemm.MIN_ROWS, small_gemm.MAX_ROWS)) is not None]
@@ -233,25 +218,19 @@ def pack_frozen_small(gm: fx.GraphModule, copies: FrozenCopies | None = None) ->
             name = f"_graphgear_small_packed_{len(packed)}"
             gm.register_buffer(name, copy_of(copies, "small", [w], lambda w=w: small_gemm.pack_weight(w.detach())))
             packed[str(w_node.target)] = name
-        b_node = None
+        b_name = None
         if bias is not None:
             b = _constant(gm, bias)
             assert b is not None
             b_name = f"{name}_bias_{node.name}"
             gm.register_buffer(b_name, copy_of(copies, "small bias", [b], lambda b=b: small_gemm.pack_bias(b.detach())))
-        with g.inserting_before(node):
-            p_node = g.get_attr(name)
-            if bias is not None:
-                b_node = g.get_attr(b_name)
-            new = g.call_function(torch.ops.graphgear.packed_linear.default, (x, p_node, b_node, w.shape[0]))
-        new.meta = dict(node.meta)
-        node.replace_all_uses_with(new)
-        g.erase_node(node)
+        replace_node(g, node, lambda x=x, name=name, b_name=b_name, n=w.shape[0]: g.call_function(
+            torch.ops.graphgear.packed_linear.default,
+            (x, g.get_attr(name), None if b_name is None else g.get_attr(b_name), n)))
     g.eliminate_dead_code()
     gm.recompile()
     log.debug("graphgear: %d matrix products packed for graphgear's small-batch product", len(found_any))
     return len(found_any)
-
 
 
 _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
@@ -276,9 +255,9 @@ def group_frozen_products(gm: fx.GraphModule, *, min_rows: int = MIN_ROWS, max_r
     Grouped are ``mm(x, W.T)`` (or all ``addmm(b, x, W.T)`` with a constant bias) with
     ``W`` a 2-D contiguous fp32 CPU constant and ``x`` of ``min_rows`` to ``max_rows``
     static rows. The concatenated weight is a new constant of the graph (a copy of the
-    grouped weights, kept with the compiled code like the packed copy). Measured on
-    bench_decode's small Qwen2 served step (29 products -> 17 calls; 1 thread, same run,
-    grouped / separate): batch 2 0.90 and 0.78, batch 4 0.87, batch 8 0.85."""
+    grouped weights, kept with the compiled code like the packed copy). Fewer, larger
+    calls make the served step faster (benchmarks/bench_decode.py; the figures:
+    benchmarks/RESULTS.md, "bench_decode.py history")."""
     if not mkl_packing_available() and small_gemm.kernel() is None:
         return 0
     g = gm.graph
@@ -324,3 +303,48 @@ def group_frozen_products(gm: fx.GraphModule, *, min_rows: int = MIN_ROWS, max_r
         gm.recompile()
         log.debug("graphgear: %d groups of products with the same rows made one product each", made)
     return made
+
+
+class GroupFrozenProducts(GraphPass):
+    """:func:`group_frozen_products` over products of ``min_rows`` to :data:`MAX_ROWS`
+    rows, its copies made in ``copies``."""
+
+    name = "group_frozen_products"
+    static_sizes = True  # the row counts
+
+    def __init__(self, *, min_rows: int = MIN_ROWS, copies: FrozenCopies | None = None) -> None:
+        self.min_rows = min_rows
+        self.copies = copies
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], config: Any) -> int:
+        return group_frozen_products(gm, min_rows=self.min_rows, copies=self.copies)
+
+
+class PackFrozenSmall(GraphPass):
+    """:func:`pack_frozen_small`, its copies made in ``copies``; ``stream``: the weights
+    outgrow the cache (:func:`small_products_stream`), nothing is packed."""
+
+    name = "pack_frozen_small"
+    static_sizes = True
+
+    def __init__(self, *, copies: FrozenCopies | None = None, stream: bool = False) -> None:
+        self.copies = copies
+        self.stream = stream
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], config: Any) -> int:
+        return 0 if self.stream else pack_frozen_small(gm, self.copies)
+
+
+class PackFrozenLinears(GraphPass):
+    """:func:`pack_frozen_linears` over products of ``min_rows`` to :data:`MAX_ROWS`
+    rows, its copies made in ``copies``."""
+
+    name = "pack_frozen_linears"
+    static_sizes = True
+
+    def __init__(self, *, min_rows: int = MIN_ROWS, copies: FrozenCopies | None = None) -> None:
+        self.min_rows = min_rows
+        self.copies = copies
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], config: Any) -> int:
+        return pack_frozen_linears(gm, min_rows=self.min_rows, copies=self.copies)

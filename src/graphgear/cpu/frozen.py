@@ -2,8 +2,8 @@
 
 With ``frozen_parameter`` every gear's static compile turns the weights into constants
 and makes copies of them: the concatenation of the products that share their rows
-(:func:`~.mkl_pack.group_frozen_products`) and the packed layout of each product
-(:func:`~.mkl_pack.pack_frozen_small`, :func:`~.mkl_pack.pack_frozen_linears`). A
+(:func:`~.passes.pack_frozen.group_frozen_products`) and the packed layout of each product
+(:func:`~.passes.pack_frozen.pack_frozen_small`, :func:`~.passes.pack_frozen.pack_frozen_linears`). A
 copy depends on the weights only (MKL's packing also on the row count), so the gears
 and graphs of one model can hold the same one: :class:`FrozenCopies` (each
 ``GraphgearBackend`` holds one and hands it to every graph it compiles, through the

@@ -1,10 +1,11 @@
-"""graphgear's own small-M matrix product for frozen CPU weights (decode batches 2 to 16).
+"""graphgear's own small-M matrix product for frozen CPU weights (decode batches 2 to 16):
+the op ``graphgear::packed_linear``.
 
 A decode step multiplies a few rows (the batch) by every weight matrix; the step is
-bound by reading the weights. MKL's packed GEMM (:mod:`.mkl_pack`) reads them at two
-thirds of the one-row rate at 8 rows and needs a call into ATen per product (so the
-graph runs through Inductor's C++ wrapper, and the CPU graph replays the wrapper). This
-kernel holds each weight packed in panels of 32 columns (``[ceil(N / 32), K, 32]``,
+bound by reading the weights. MKL's packed GEMM (:mod:`graphgear.cpu.passes.pack_frozen`)
+reads them slower at a few rows than at one, and needs a call into ATen per product (so
+the graph runs through Inductor's C++ wrapper, and the CPU graph replays the wrapper).
+This kernel holds each weight packed in panels of 32 columns (``[ceil(N / 32), K, 32]``,
 zero-padded) and, per panel, keeps up to 8 rows x 32 columns of sums in vector
 registers while it streams the panel once, prefetching ahead: at 2 to 8 rows it reads
 the weights about as fast as at one. It is plain C++ with GCC vector types (16 floats
@@ -13,22 +14,15 @@ toolchain into a built-in ``kernel`` like Inductor's generated kernels, and call
 from the generated code as ``extern_kernels.graphgear_packed_linear(x, wp, b,
 out=buf)``: a buffer Inductor allocates, so the graph stays straight-line code and the
 CPU graph replays it as kernel calls (``capture/cpu_graph._Program``) at every batch.
+With more than one thread the panels are split over the threads.
 
-Measured side by side (2026-12-02, 1 thread, the 17 products of bench_decode's small
-Qwen2 step, 11.6 MB of weights; µs for all 17, MKL packed / this kernel): 1 row 917 /
-581, 2 rows 890 / 640, 4 rows 969 / 647, 8 rows 1164 / 833, 16 rows 1722 / 1519. Since
-it lets GCC fuse multiply-adds (:data:`graphgear.kernels.VECTOR_PRELUDE`; 2026-12-02,
-same run, fused / not): 2 rows 661 / 675, 8 rows 721 / 858, 16 rows 1333 / 1931 µs.
-
-In the served step of that model (same run, graphgear's / MKL's products), 1 thread:
-batch 2 0.87 and 0.67, batch 4 0.65 and 0.57, batch 8 0.70 and 0.73; 2 threads (the
-panels split over the threads): batch 2 0.76, batch 8 0.81; the large model (hidden 1024,
-128 MB of weights) batch 8 0.84. At one row it was no faster than Inductor's fused
-loops (0.98, 1.01), so one-row products stay theirs; those whose weight is too wide
-for Inductor's one-row decomposition (which would be ATen's ``sgemv``) went here until
-2026-12-03 and now go to :mod:`.small_linear`, which streams the frozen weight as it
-lies faster than this kernel streams its packed copy, and needs no copy
-(:func:`graphgear.compilers.mkl_pack.pack_frozen_small`).
+It is faster than MKL's packed GEMM at 2 to 16 rows, by product and in the served step;
+at one row it is no faster than Inductor's fused loops, so one-row products stay theirs,
+and those whose weight is too wide for Inductor's one-row decomposition go to
+:mod:`.small_linear_kernel`, which streams the frozen weight as it lies faster than this
+kernel streams its packed copy, and needs no copy
+(:func:`graphgear.cpu.passes.pack_frozen.pack_frozen_small`). The figures:
+benchmarks/RESULTS.md, "bench_decode.py history".
 
 Summation order differs from MKL's and ATen's (per output, over ``K`` in order, in
 fp32): results agree to fp32 rounding, not bit for bit. Where the kernel cannot be
@@ -39,16 +33,14 @@ then go to MKL as before.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from .._torch import register_inductor_extern_out
-from .build import VECTOR_PRELUDE, build, product_direct
+from .build import VECTOR_PRELUDE, KernelFn, build, extern_kernel
 
-__all__ = ["MAX_ROWS", "MIN_ROWS", "PANEL", "kernel", "pack_bias", "pack_weight", "packed_linear",
-           "packed_linear_out", "register_lowering"]
+__all__ = ["MAX_ROWS", "MIN_ROWS", "PACKED_LINEAR", "PANEL", "kernel", "pack_bias", "pack_weight", "packed_linear",
+           "packed_linear_out"]
 
 #: rows served by this kernel: decode batches above 1 (one row stays Inductor's fused
 #: loops, which fuse with their neighbours, but for weights too wide for them); past 16
@@ -137,7 +129,7 @@ _ARGTYPES = ("const float*", "const float*", "const float*", "float*",
 
 
 @functools.cache
-def kernel() -> Callable[..., None] | None:
+def kernel() -> KernelFn | None:
     """The built kernel ``kernel(x, wp, b, y, M, K, N, has_bias, threads)``, or None (logged once)
     where it cannot be built here."""
     return build("its small-batch matrix product", _ARGTYPES, _SOURCE,
@@ -162,7 +154,8 @@ def pack_bias(b: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _args(x: torch.Tensor, wp: torch.Tensor, b: torch.Tensor | None, out: torch.Tensor) -> tuple[Any, ...]:
+def _args(x: torch.Tensor, wp: torch.Tensor, b: torch.Tensor | None = None, *,
+          out: torch.Tensor) -> tuple[Any, ...]:
     if not (x.dim() == 2 and x.is_contiguous() and out.is_contiguous() and out.dim() == 2
             and x.dtype == wp.dtype == out.dtype == torch.float32 and wp.dim() == 3
             and wp.shape[1] == x.shape[1] and wp.shape[2] == PANEL and out.shape[0] == x.shape[0]
@@ -171,42 +164,22 @@ def _args(x: torch.Tensor, wp: torch.Tensor, b: torch.Tensor | None, out: torch.
         raise ValueError(
             f"graphgear_packed_linear: x {tuple(x.shape)} {x.dtype}, packed weight {tuple(wp.shape)}, "
             f"bias {None if b is None else tuple(b.shape)}, out {tuple(out.shape)}: expected contiguous "
-            f"fp32 x [M, K], a weight packed by graphgear.kernels.small_gemm.pack_weight ([P, K, "
+            f"fp32 x [M, K], a weight packed by graphgear.cpu.kernels.small_gemm_kernel.pack_weight ([P, K, "
             f"{PANEL}]), a bias padded by pack_bias, and out [M, N] with N <= P * {PANEL}.")
     return (x, wp, wp if b is None else b, out, x.shape[0], x.shape[1], out.shape[1], int(b is not None),
             torch.get_num_threads())
 
 
-def packed_linear_out(x: torch.Tensor, wp: torch.Tensor, b: torch.Tensor | None = None, *,
-                      out: torch.Tensor) -> torch.Tensor:
-    """``out = x @ W.T (+ b)`` with ``W`` packed by :func:`pack_weight`: the extern
-    kernel Inductor's generated code calls."""
-    fn = kernel()
-    if fn is None:
-        raise RuntimeError("graphgear_packed_linear: the kernel is not built here (see the warning "
-                           "logged by graphgear.kernels.small_gemm); recompile the model.")
-    fn(*_args(x, wp, b, out))
-    return out
-
-
-# read by capture/cpu_graph (kernel and _args looked up when called, as in packed_linear_out)
-packed_linear_out.graphgear_direct = product_direct(lambda: kernel(), lambda *a: _args(*a))  # type: ignore[attr-defined]
-
-
-@torch.library.custom_op("graphgear::packed_linear", mutates_args=())
-def packed_linear(x: torch.Tensor, wp: torch.Tensor, b: torch.Tensor | None, n: int) -> torch.Tensor:
+def _packed_linear(x: torch.Tensor, wp: torch.Tensor, b: torch.Tensor | None, n: int) -> torch.Tensor:
     """``x @ W.T (+ b)`` (``[M, n]``) with ``W`` packed by :func:`pack_weight` and ``b``
     by :func:`pack_bias`; Inductor lowers it to the extern kernel."""
-    return packed_linear_out(x.contiguous(), wp, b, out=x.new_empty((x.shape[0], n)))
-
-
-@packed_linear.register_fake
-def _packed_linear_fake(x: torch.Tensor, wp: torch.Tensor, b: torch.Tensor | None, n: int) -> torch.Tensor:
     return x.new_empty((x.shape[0], n))
 
 
-def register_lowering() -> None:
-    """Inductor's lowering of ``graphgear::packed_linear`` (once per process)."""
-    register_inductor_extern_out(
-        torch.ops.graphgear.packed_linear.default, packed_linear_out, "graphgear_packed_linear",
-        lambda x, *_sizes_and_n: [x[0], _sizes_and_n[-1]])
+PACKED_LINEAR = extern_kernel("packed_linear", _packed_linear, kernel=lambda: kernel(), args=_args,
+                              out_size=lambda x, *_sizes_and_n: [x[0], _sizes_and_n[-1]])
+#: the op: ``packed_linear(x, wp, b, n)``
+packed_linear = PACKED_LINEAR.op
+#: ``packed_linear_out(x, wp, b=None, *, out)``: ``out = x @ W.T (+ b)``, the extern
+#: kernel Inductor's generated code calls
+packed_linear_out = PACKED_LINEAR.out
