@@ -2,8 +2,8 @@
 
 This module holds what the user sets and what the backend checks: ``set_dim_gears``,
 the validation of gears, and :class:`GearPlan` (the allowed graph keys of one graph
-under the merge policy). Run-time dispatch by key, padding and precompilation are in
-:mod:`graphgear.dispatch`."""
+under the merge policy). Run-time dispatch by key and precompilation are in
+:mod:`graphgear.dispatch`, gear padding in :mod:`graphgear.padding`."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from ._torch import aot_forward_returns, aot_tangents, is_boxed, make_boxed_func
 from .compilers import MODE_COMPILERS, op_support
 from .config import mode_of
 from .context import CompileContext
-from .dispatch import GearGuard, GraphFacts, KeyedGraph, ValueOnly
+from .dispatch import Build, GearGuard, GraphFacts, KeyedGraph, ValueOnly
 from .gears import GearPlan
 from .inputs import aot_input_names, mutated_placeholders, static_input_indices
 from .padding import PaddedBackward, PaddedCall
@@ -189,7 +189,7 @@ def _compile_by_shape(
         if plan is None and not tangents:
             return whole
         whole_boxed = _convention(whole, boxed=True)
-        build: Callable[[tuple[int, ...]], Callable[..., Any]] = lambda key: whole_boxed  # noqa: E731
+        build: Build = lambda key: whole_boxed  # noqa: E731
     else:
 
         def build(key: tuple[int, ...]) -> Callable[..., Any]:
