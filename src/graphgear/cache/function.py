@@ -359,7 +359,7 @@ def _unsupported_fix(reason: str) -> str:
 def cache_compile(fn: Any, *, config: CompilerConfig | None = None, cache_dir: str | None = None,
                   dynamic: bool = True, rank: int | None = None) -> CachedFunction:
     """Compile ``fn`` (a function, an ``nn.Module`` or a module's bound method) with
-    graphgear through a compile cache; see the module docstring.
+    graphgear through a compile cache; see :mod:`graphgear.cache`.
 
     ``dynamic=True`` keeps the dims marked by ``set_dim_gears`` dynamic (torch's
     ``dynamic=None``); ``False`` compiles every dim static. ``rank`` stores entries in a
