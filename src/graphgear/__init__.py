@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from . import cache, inference  # cache first: see graphgear/cache/__init__.py
+from . import cache, inference
 from .backend import get_backend, get_compiler
 from .config import CompilerConfig
 from .errors import CaptureError, GearError

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from .backend import get_backend
-from .cache import cache_compile
+from .cache.function import cache_compile
 from .config import CompilerConfig
 from .dispatch import precompile_gears
 from .gears import set_dim_gears

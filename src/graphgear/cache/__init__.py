@@ -1,6 +1,6 @@
 """A compile cache: a restarted process serves without tracing or compiling.
 
-:func:`cache_compile` (also ``graphgear.inference.cache_compile``) wraps a function or an
+:func:`~graphgear.cache.function.cache_compile` (``graphgear.inference.cache_compile``) wraps a function or an
 ``nn.Module``. On a call with an input spec it has no entry for, it builds the cache key,
 and either loads a trusted entry (``stats()``: ``cache="hit"``) or compiles with torch
 2.13's precompile (``torch.compile(fn, fullgraph=True).aot_compile(...)``) and stores the
@@ -38,22 +38,17 @@ again (they cannot be saved).
   :mod:`~graphgear.cache.precompile` (torch's precompile around the backend) and
   :mod:`~graphgear.cache.function` (:func:`cache_compile`), above the backend.
 
-**Import order.** Lower layers (``capture``, ``compilers``, ``backend``) import the low
-submodules by their own names (``graphgear.cache.store``, ``graphgear.cache.artifacts``,
-``graphgear.cache.bundle``), and no submodule imports this package's names, so each low
-submodule loads on its own. But importing any of them runs this ``__init__`` first, and
-it imports the backend (through ``function``): were that to happen while the backend is
-itself half-imported, ``function`` would find the backend's names missing. So this
-package is imported first of all: ``graphgear/__init__.py`` imports it before
-``inference`` and everything that reaches the backend.
+**Import order.** This package's ``__init__`` imports only the low submodules (store,
+entry, artifacts), never :mod:`~graphgear.cache.function`, which sits above the backend:
+the lower layers that import ``graphgear.cache.store`` or ``graphgear.cache.artifacts``
+run this ``__init__`` first, and it must not reach back up to them. ``cache_compile`` is
+``graphgear.inference.cache_compile`` (or ``graphgear.cache.function.cache_compile``).
 """
 
 from __future__ import annotations
 
 from .artifacts import allowed_global
 from .entry import CacheEntry, clear_entries, list_entries
-from .function import CachedFunction, cache_compile
 from .store import cache_folder
 
-__all__ = ["CacheEntry", "CachedFunction", "allowed_global", "cache_compile", "cache_folder", "clear_entries",
-           "list_entries"]
+__all__ = ["CacheEntry", "allowed_global", "cache_folder", "clear_entries", "list_entries"]
