@@ -6,6 +6,7 @@ code calls and the direct call the CPU graph's replay makes)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -16,10 +17,15 @@ from ... import _torch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["VECTOR_PRELUDE", "ExternKernel", "KernelFn", "build", "extern_kernel"]
+__all__ = ["PRODUCT_ARGTYPES", "VECTOR_PRELUDE", "ExternKernel", "KernelFn", "build", "built_kernel",
+           "extern_kernel"]
 
 #: a built kernel: a built-in function of C arguments, returning nothing
 KernelFn = Callable[..., None]
+
+#: the C arguments of the products' kernels: ``kernel(x, w, b, y, M, K, N, has_bias, threads)``
+PRODUCT_ARGTYPES = ("const float*", "const float*", "const float*", "float*",
+                    "const int64_t", "const int64_t", "const int64_t", "const int64_t", "const int64_t")
 
 #: C++ shared by the kernels: the vector width of the ISA Inductor builds for (16 floats
 #: with AVX-512, 8 with AVX/AVX2, 4 otherwise; ``VW``, and ``GG_VW`` for the
@@ -59,6 +65,13 @@ def build(what: str, argtypes: Sequence[str], source: str, instead: str) -> Kern
         log.warning("graphgear: %s could not be built (%s: %s); %s instead.", what, type(e).__name__,
                     str(e).splitlines()[0] if str(e) else "", instead)
         return None
+
+
+def built_kernel(what: str, argtypes: Sequence[str], source: str, instead: str) -> Callable[[], KernelFn | None]:
+    """``kernel()``: :func:`build` of these, once per process (``functools.cache``; its
+    ``__wrapped__`` builds again), the kernel or None (logged once) where it cannot be
+    built here."""
+    return functools.cache(lambda: build(what, argtypes, source, instead))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,14 +28,13 @@ The figures: benchmarks/RESULTS.md, "bench_decode.py history", and the README.
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any
 
 import torch
 
 from ...shapes import known_equal
-from .build import VECTOR_PRELUDE, KernelFn, build, extern_kernel
+from .build import VECTOR_PRELUDE, built_kernel, extern_kernel
 
 __all__ = ["DECODE_ATTENTION", "decode_attention", "decode_attention_out", "default_scale", "kernel", "mask_fits"]
 
@@ -210,12 +209,10 @@ _ARGTYPES = ("const float*", "const float*", "const float*", "const uint8_t*", "
              "const int64_t", "const int64_t", "const int64_t", "const float", "const int64_t")
 
 
-@functools.cache
-def kernel() -> KernelFn | None:
-    """The built kernel (see ``_SOURCE`` for its arguments), or None (logged once) where
-    it cannot be built here."""
-    return build("its decode attention kernel", _ARGTYPES, _SOURCE,
-                 "one-query CPU attention runs as generated code (or ATen's flash kernel)")
+#: the built kernel (see ``_SOURCE`` for its arguments), or None (logged once) where it
+#: cannot be built here
+kernel = built_kernel("its decode attention kernel", _ARGTYPES, _SOURCE,
+                      "one-query CPU attention runs as generated code (or ATen's flash kernel)")
 
 
 def mask_fits(mask: Any, batch: Any, heads: Any, length: Any) -> bool:

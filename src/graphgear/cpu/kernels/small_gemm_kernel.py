@@ -32,12 +32,11 @@ then go to MKL as before.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 
-from .build import VECTOR_PRELUDE, KernelFn, build, extern_kernel
+from .build import PRODUCT_ARGTYPES, VECTOR_PRELUDE, built_kernel, extern_kernel
 
 __all__ = ["MAX_ROWS", "MIN_ROWS", "PACKED_LINEAR", "PANEL", "kernel", "pack_bias", "pack_weight", "packed_linear",
            "packed_linear_out"]
@@ -124,16 +123,10 @@ extern "C" void kernel(const float* x, const float* wp, const float* b, float* y
     panel_range(x, wp, bias, y, M, K, N, 0, panels);
 }
 """
-_ARGTYPES = ("const float*", "const float*", "const float*", "float*",
-             "const int64_t", "const int64_t", "const int64_t", "const int64_t", "const int64_t")
-
-
-@functools.cache
-def kernel() -> KernelFn | None:
-    """The built kernel ``kernel(x, wp, b, y, M, K, N, has_bias, threads)``, or None (logged once)
-    where it cannot be built here."""
-    return build("its small-batch matrix product", _ARGTYPES, _SOURCE,
-                 f"frozen products of {MIN_ROWS} to {MAX_ROWS} rows use MKL's packed GEMM")
+#: the built kernel ``kernel(x, wp, b, y, M, K, N, has_bias, threads)``, or None (logged
+#: once) where it cannot be built here
+kernel = built_kernel("its small-batch matrix product", PRODUCT_ARGTYPES, _SOURCE,
+                      f"frozen products of {MIN_ROWS} to {MAX_ROWS} rows use MKL's packed GEMM")
 
 
 def pack_weight(w: torch.Tensor) -> torch.Tensor:

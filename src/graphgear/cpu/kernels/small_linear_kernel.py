@@ -26,12 +26,11 @@ fp32 rounding, not bit for bit. Where the kernel cannot be built (no C++ compile
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 
-from .build import VECTOR_PRELUDE, KernelFn, build, extern_kernel
+from .build import PRODUCT_ARGTYPES, VECTOR_PRELUDE, built_kernel, extern_kernel
 
 __all__ = ["MAX_ROWS", "MIN_ROWS", "SMALL_LINEAR", "kernel", "small_linear", "small_linear_out"]
 
@@ -150,16 +149,10 @@ extern "C" void kernel(const float* x, const float* w, const float* b, float* y,
     rows(x, w, bias, y, M, K, N, 0, N);
 }
 """
-_ARGTYPES = ("const float*", "const float*", "const float*", "float*",
-             "const int64_t", "const int64_t", "const int64_t", "const int64_t", "const int64_t")
-
-
-@functools.cache
-def kernel() -> KernelFn | None:
-    """The built kernel ``kernel(x, w, b, y, M, K, N, has_bias, threads)``, or None
-    (logged once) where it cannot be built here."""
-    return build("its small-batch product for weights that are not frozen", _ARGTYPES, _SOURCE,
-                 f"products of {MIN_ROWS} to {MAX_ROWS} rows stay ATen's")
+#: the built kernel ``kernel(x, w, b, y, M, K, N, has_bias, threads)``, or None (logged
+#: once) where it cannot be built here
+kernel = built_kernel("its small-batch product for weights that are not frozen", PRODUCT_ARGTYPES, _SOURCE,
+                      f"products of {MIN_ROWS} to {MAX_ROWS} rows stay ATen's")
 
 
 def _args(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *,

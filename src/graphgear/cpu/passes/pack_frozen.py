@@ -5,7 +5,7 @@ order by ``compilers.inductor.compile_static`` (see :func:`graphgear.cpu.passes.
 A decode step multiplies a few rows (the batch) by every weight matrix. ATen's
 ``addmm``/``mm`` (MKL ``sgemm``) re-packs the weight panel on each call, which at small M
 costs as much as the product itself, and Inductor's one-row decomposition
-(``decompose_mm_pass``) and C++ GEMM template reach about half of MKL's packed rate;
+(``decompose_mm_pass``) and C++ GEMM template reach well below MKL's packed rate;
 MKL's packed GEMM (``mkl::_mkl_linear`` over a weight packed once by
 ``mkl::_mkl_reorder_linear_weight``, the ops Inductor's own ``freezing`` uses for fp32
 linears) does not re-pack. The served step is faster with it, by less than the product
