@@ -1,7 +1,7 @@
 """The package's imports flow one way: backend → pipeline (stats, dumps, passes,
 dispatch by shape) → one compiler per mode → graphgear's kernels → capture per device,
 with shared leaves
-(errors, ``_torch``, config, context, stats, debug, shapes, gears) at the bottom. No cycle, no upward import,
+(errors, the ``_torch`` package, config, context, stats, debug, shapes, gears) at the bottom. No cycle, no upward import,
 no import deferred into a function body to hide one."""
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "graphgear"
 #: Layers, bottom first. A module may import its own layer's modules and any layer
 #: below; the layer of a module is that of its longest matching prefix.
 LAYERS: list[set[str]] = [
+    # graphgear._torch: the package of private-torch wrappers, one module per torch subsystem
     {"graphgear.errors", "graphgear._torch", "graphgear.cachedir", "graphgear.toy_decoder",
      "graphgear.toy_decoder_tp"},
     {"graphgear.config", "graphgear.stats", "graphgear.debug", "graphgear.context"},
@@ -135,7 +136,7 @@ def test_imports_flow_downward_and_are_not_deferred() -> None:
 #: Private torch references: an underscored name anywhere under ``torch.`` (``torch._C``,
 #: ``torch._inductor``, ``torch.utils._pytree``, ``torch.fx.experimental._config``; not
 #: ``torch.ops.aten._foo``, which names an ATen op), an underscored name imported from a
-#: torch module, and the private attributes graphgear reads through ``_torch`` (storage
+#: torch module, and the private attributes graphgear reads through ``graphgear._torch`` (storage
 #: ids, dynamo's placeholder metadata, the globals of Inductor's generated code).
 _PRIVATE_TORCH = re.compile(
     r"\btorch(?:\.(?!ops\b)[A-Za-z]\w*)*\._[A-Za-z]"
@@ -172,12 +173,25 @@ def _code_lines(path: Path) -> list[str]:
     return ["".join(row) for row in blank]
 
 
+def test_torch_package_reexports_nothing_and_imports_only_itself() -> None:
+    """``graphgear/_torch/__init__.py`` is a docstring only (each name is imported from its
+    submodule), and the submodules import no graphgear module outside the package."""
+    init = ast.parse((SRC / "_torch" / "__init__.py").read_text())
+    assert len(init.body) == 1 and isinstance(init.body[0], ast.Expr) \
+        and isinstance(init.body[0].value, ast.Constant), "graphgear/_torch/__init__.py: a docstring only"
+    outside = [f"{m} imports {n}" for m, imps in sorted(_graph().items()) if m.startswith("graphgear._torch.")
+               for n, _, _ in imps if not n.startswith("graphgear._torch")]
+    assert not outside, "\n".join(outside)
+
+
 def test_private_torch_apis_only_in_torch_module() -> None:
-    """Every private torch API is reached through ``graphgear._torch`` (issue 10), so a
-    torch upgrade that moves one breaks in one module, with its version note."""
+    """Private torch APIs only under graphgear/_torch/: every private torch API is reached
+    through the ``graphgear._torch`` package (issue 10), so a torch upgrade that moves one
+    breaks in the module of its subsystem, with its version note."""
+    torch_layer = SRC / "_torch"
     found = []
     for path in sorted(SRC.rglob("*.py")):
-        if path == SRC / "_torch.py":
+        if path.is_relative_to(torch_layer):
             continue
         rel = path.relative_to(SRC)
         for i, line in enumerate(_code_lines(path), 1):
@@ -186,5 +200,5 @@ def test_private_torch_apis_only_in_torch_module() -> None:
                 code = re.sub(allowed, " ", code)
             if _PRIVATE_TORCH.search(code):
                 found.append(f"src/graphgear/{rel}:{i}: {' '.join(line.split())}")
-    assert not found, ("private torch APIs outside graphgear/_torch.py (add a wrapper there):\n"
+    assert not found, ("private torch APIs outside graphgear/_torch/ (add a wrapper there):\n"
                        + "\n".join(found))

@@ -19,7 +19,8 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ._torch import OutputCode, boxed_convention
+from ._torch.aot import boxed_convention
+from ._torch.serialize import OutputCode
 from .artifacts import ArtifactStore
 from .config import CompilerConfig
 from .pipeline import rebuild_graph

@@ -93,18 +93,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._torch import (
+from ._torch.dynamo import without_dim_markings
+from ._torch.fx import pytree
+from ._torch.isa import adopt_vec_isa, inductor_vec_isa_if_known
+from ._torch.serialize import (
     SerializableCallable,
-    adopt_vec_isa,
     aot_compiled_backend_result,
     bundled_entry_outputs,
     changed_traced_sources,
     inductor_config_digest,
-    inductor_vec_isa_if_known,
     load_bundled_entry,
-    pytree,
     serializable_guard_filter,
-    without_dim_markings,
 )
 from .artifacts import SUBSTITUTES, allowed_global, cache_tag
 from .backend import get_backend

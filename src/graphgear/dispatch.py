@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from ._torch import boxed_convention, compile_session
+from ._torch.aot import boxed_convention
+from ._torch.dynamo import compile_session
 from .errors import GearError
 from .gears import GearPlan
 from .padding import PaddingHazard

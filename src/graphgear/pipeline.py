@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from torch import fx
 
 from . import debug
-from ._torch import aot_forward_returns, aot_tangents, is_boxed, make_boxed_func
+from ._torch.aot import aot_forward_returns, aot_tangents, is_boxed, make_boxed_func
 from .compilers import MODE_COMPILERS, op_support
 from .config import mode_of
 from .context import CompileContext

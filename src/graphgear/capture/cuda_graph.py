@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from .._torch import has_triton
+from .._torch.inductor import has_triton
 from .cpu_graph import StaticCompiler
 from .pool import MemoryPool
 

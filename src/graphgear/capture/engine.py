@@ -70,7 +70,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import fx
 
-from .._torch import StorageWeakRef, boxed_convention, compile_session, has_internal_overlap, tensor_version
+from .._torch.aot import boxed_convention
+from .._torch.dynamo import compile_session
+from .._torch.storage import StorageWeakRef, has_internal_overlap, tensor_version
 from ..dispatch import precompiling
 from ..errors import CaptureError
 from ..stats import register_release

@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .._torch import OpOverload, inductor_lowering
+from .._torch.inductor import inductor_lowering
+from .._torch.ops import OpOverload
 from ..capture.rules import UNCAPTURABLE
 from ..debug import op_key
 from .eager import compile_eager

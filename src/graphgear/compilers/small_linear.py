@@ -27,7 +27,7 @@ import logging
 import torch
 from torch import fx
 
-from .._torch import inductor_one_row_decompose_limit
+from .._torch.inductor_passes import inductor_one_row_decompose_limit
 from ..kernels import small_linear
 
 log = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .. import _torch
+from .._torch import inductor as _torch_inductor
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ def build(what: str, argtypes: Sequence[str], source: str, instead: str) -> Call
     None where it cannot be built here: then a warning names ``what`` could not be
     built, why, and what runs ``instead``."""
     try:
-        return _torch.inductor_load_cpp_kernel(argtypes, source)
+        return _torch_inductor.inductor_load_cpp_kernel(argtypes, source)
     except Exception as e:  # no compiler, or Inductor's build changed: the caller falls back
         log.warning("graphgear: %s could not be built (%s: %s); %s instead.", what, type(e).__name__,
                     str(e).splitlines()[0] if str(e) else "", instead)

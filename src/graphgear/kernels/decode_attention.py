@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from .._torch import register_inductor_extern_out
+from .._torch.inductor import register_inductor_extern_out
 from ..shapes import known_equal
 from .build import VECTOR_PRELUDE, build
 

@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from .._torch import register_inductor_extern_out
+from .._torch.inductor import register_inductor_extern_out
 from .build import VECTOR_PRELUDE, build, product_direct
 
 __all__ = ["MAX_ROWS", "MIN_ROWS", "PANEL", "kernel", "pack_bias", "pack_weight", "packed_linear",

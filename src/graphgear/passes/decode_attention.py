@@ -51,7 +51,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from .._torch import inductor_decomp_table, inductor_realize
+from .._torch.inductor_passes import inductor_decomp_table, inductor_realize
 from ..config import mode_of
 from ..kernels import decode_attention as attention_kernel
 from ..shapes import known_equal
