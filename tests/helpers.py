@@ -177,7 +177,7 @@ def unbuildable_kernel(monkeypatch: Any, caplog: Any, kernel: Callable[[], Any])
     def no_compiler(*_a: Any, **_k: Any) -> Any:
         raise RuntimeError("g++: not found")
 
-    monkeypatch.setattr(graphgear._torch, "inductor_load_cpp_kernel", no_compiler)
+    monkeypatch.setattr(graphgear._torch.inductor, "inductor_load_cpp_kernel", no_compiler)
     with caplog.at_level(logging.WARNING, logger="graphgear.cpu.kernels"):
         assert kernel.__wrapped__() is None  # type: ignore[attr-defined]
     assert "could not be built (RuntimeError: g++: not found)" in caplog.text

@@ -120,7 +120,7 @@ def test_recorded_vector_isa_is_adopted_only_when_this_cpu_leads_to_it() -> None
     usual when it first needs to)."""
     from torch._inductor import cpu_vec_isa
 
-    from graphgear._torch import inductor_vec_isa_if_known
+    from graphgear._torch.isa import inductor_vec_isa_if_known
 
     cpu_vec_isa.pick_vec_isa()
     here = inductor_vec_isa_if_known()
@@ -129,7 +129,7 @@ def test_recorded_vector_isa_is_adopted_only_when_this_cpu_leads_to_it() -> None
     child = (
         "import sys, json\n"
         "from torch._inductor import cpu_vec_isa as c\n"
-        "from graphgear._torch import adopt_vec_isa\n"
+        "from graphgear._torch.isa import adopt_vec_isa\n"
         "n = [0]; cb = c.VecISA.check_build\n"
         "def counted(self, code):\n"
         "    n[0] += code == c.VecISA._avx_code\n"
@@ -170,7 +170,7 @@ def test_graph_unpickler_refuses_unlisted_globals() -> None:
     """The graph inside an entry goes through GraphPickler's unpickler with the same list."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from graphgear._torch import graph_pickle_loads
+    from graphgear._torch.serialize import graph_pickle_loads
     from graphgear.cache.artifacts import ArtifactStore
 
     x = torch.randn(3)

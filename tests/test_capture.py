@@ -820,7 +820,7 @@ def test_frozen_small_m_products_are_packed_for_mkl_and_equal_eager() -> None:
     """pack_frozen_linears: ``mm``/``addmm`` with a frozen fp32 weight and 2..64 rows
     become MKL's packed GEMM (one packed copy per weight and row count) and compute what
     they did; one row, a weight that is an input, or another dtype is left alone."""
-    from graphgear._torch import make_fx_allowing_real_inputs
+    from graphgear._torch.fx import make_fx_allowing_real_inputs
     from graphgear.cpu.passes.pack_frozen import mkl_packing_available, pack_frozen_linears
 
     if not mkl_packing_available():
@@ -858,7 +858,7 @@ def test_frozen_products_of_the_same_rows_are_grouped_then_packed_and_equal_eage
     over the concatenated weights and one packed MKL call; the gate/up-style pair (no
     bias) another; a product of other rows, a lone product and one row are left alone.
     Every output equals eager's."""
-    from graphgear._torch import make_fx_allowing_real_inputs
+    from graphgear._torch.fx import make_fx_allowing_real_inputs
     from graphgear.cpu.passes.pack_frozen import (
         group_frozen_products,
         mkl_packing_available,

@@ -2,7 +2,7 @@
 dispatch by shape) → one compiler per mode → the CPU passes → the post-grad passes →
 graphgear's kernels → capture per device,
 with shared leaves
-(errors, ``_torch``, config, context, stats, debug, shapes, gears) at the bottom. No cycle, no upward import,
+(errors, the ``_torch`` package, config, context, stats, debug, shapes, gears) at the bottom. No cycle, no upward import,
 no import deferred into a function body to hide one."""
 
 from __future__ import annotations
@@ -182,12 +182,25 @@ def _code_lines(path: Path) -> list[str]:
     return ["".join(row) for row in blank]
 
 
+def test_torch_package_reexports_nothing_and_imports_only_itself() -> None:
+    """``graphgear/_torch/__init__.py`` is a docstring only (each name is imported from its
+    submodule), and the submodules import no graphgear module outside the package."""
+    init = ast.parse((SRC / "_torch" / "__init__.py").read_text())
+    assert len(init.body) == 1 and isinstance(init.body[0], ast.Expr) \
+        and isinstance(init.body[0].value, ast.Constant), "graphgear/_torch/__init__.py: a docstring only"
+    outside = [f"{m} imports {n}" for m, imps in sorted(_graph().items()) if m.startswith("graphgear._torch.")
+               for n, _, _ in imps if not n.startswith("graphgear._torch")]
+    assert not outside, "\n".join(outside)
+
+
 def test_private_torch_apis_only_in_torch_module() -> None:
-    """Every private torch API is reached through ``graphgear._torch`` (issue 10), so a
-    torch upgrade that moves one breaks in one module, with its version note."""
+    """Private torch APIs only under graphgear/_torch/: every private torch API is reached
+    through the ``graphgear._torch`` package (issue 10), so a torch upgrade that moves one
+    breaks in the module of its subsystem, with its version note."""
+    torch_layer = SRC / "_torch"
     found = []
     for path in sorted(SRC.rglob("*.py")):
-        if path == SRC / "_torch.py":
+        if path.is_relative_to(torch_layer):
             continue
         rel = path.relative_to(SRC)
         for i, line in enumerate(_code_lines(path), 1):
@@ -196,7 +209,7 @@ def test_private_torch_apis_only_in_torch_module() -> None:
                 code = re.sub(allowed, " ", code)
             if _PRIVATE_TORCH.search(code):
                 found.append(f"src/graphgear/{rel}:{i}: {' '.join(line.split())}")
-    assert not found, ("private torch APIs outside graphgear/_torch.py (add a wrapper there):\n"
+    assert not found, ("private torch APIs outside graphgear/_torch/ (add a wrapper there):\n"
                        + "\n".join(found))
 
 

@@ -540,7 +540,7 @@ def test_attention_matcher_every_layout(layout, dtype, decomposed):
     Inductor's decompositions (softmax as amax/exp/sum/div, half cast to float32)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from graphgear._torch import inductor_decomp_table
+    from graphgear._torch.inductor_passes import inductor_decomp_table
     from graphgear.passes.attention import fuse_attention
 
     f, args = _attention_case(layout, dtype)
@@ -558,7 +558,7 @@ def test_attention_matcher_every_layout(layout, dtype, decomposed):
 def test_attention_matcher_refuses_other_softmax_dims_and_shared_scores(decomposed):
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from graphgear._torch import inductor_decomp_table
+    from graphgear._torch.inductor_passes import inductor_decomp_table
     from graphgear.passes.attention import fuse_attention
 
     def wrong_dim(q, k, v):

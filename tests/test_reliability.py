@@ -439,7 +439,7 @@ def test_item5_threads_compiling_while_others_call_get_their_own_results(opts: d
     set FX's process-wide tracing flag, and dynamo refused the other threads' calls
     ("Detected that you are using FX to symbolically trace a dynamo-optimized
     function"), or two traces at once broke FX's patcher (2 of 3 runs; all six cases
-    failed before ``_torch.compile_session``)."""
+    failed before ``_torch.dynamo.compile_session``)."""
     opts = dict(opts)
     serve = opts.pop("serve", False)
     for r in range(2):

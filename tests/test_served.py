@@ -112,7 +112,7 @@ def test_served_code_records_no_profiler_ranges_and_leaves_dynamos_config_as_it_
     set only around the served model's own compile."""
     from torch._dynamo import config as dynamo_config
 
-    from graphgear._torch import dynamo_entries, dynamo_region
+    from graphgear._torch.dynamo import dynamo_entries, dynamo_region
 
     def names(compiled: Any, fn: Any) -> set[str]:
         (_, code), = dynamo_entries(fn.__code__, dynamo_region(compiled))

@@ -120,7 +120,7 @@ def test_one_row_products_too_wide_for_inductors_decomposition_are_graphgears_un
     product on the frozen weight itself: no packed copy is made. The narrow one stays
     Inductor's fused loop. Results equal eager's at every step."""
     _built()
-    from graphgear._torch import inductor_one_row_decompose_limit
+    from graphgear._torch.inductor_passes import inductor_one_row_decompose_limit
 
     wide = inductor_one_row_decompose_limit() + 5  # not a whole panel of 32 either
     seen = ops_compiled(monkeypatch, torch.ops.graphgear.packed_linear.default, torch.ops.mkl._mkl_linear.default,
@@ -140,7 +140,7 @@ def test_without_the_kernel_wide_one_row_products_stay_atens(monkeypatch) -> Non
     """Where graphgear's row-major product cannot be built, the wide one-row products
     stay ATen's (nothing rewritten, nothing packed), a batch of 0 rows runs too, and
     results equal eager's."""
-    from graphgear._torch import inductor_one_row_decompose_limit
+    from graphgear._torch.inductor_passes import inductor_one_row_decompose_limit
     from graphgear.cpu.kernels import small_linear_kernel as small_linear
 
     monkeypatch.setattr(small_linear, "kernel", lambda: None)
@@ -299,7 +299,7 @@ def test_served_transformers_decoder_equals_eager_with_graphgears_products(monke
     from transformers import StaticCache
 
     import graphgear.cpu.passes.pack_frozen as mkl_pack
-    from graphgear._torch import inductor_one_row_decompose_limit
+    from graphgear._torch.inductor_passes import inductor_one_row_decompose_limit
     from graphgear.cpu.kernels import small_linear_kernel as small_linear
 
     if streamed:

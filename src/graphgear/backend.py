@@ -29,20 +29,11 @@ from torch import fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from . import debug
-from ._torch import (
-    OpOverload,
-    aot_bundling,
-    aot_module_simplified,
-    aot_partition_fn,
-    backend_compiler_failed,
-    compile_session,
-    fake_mode_of,
-    has_dynamo_graph_arg,
-    make_fx_allowing_real_inputs,
-    serializable_compiler,
-    tracing,
-    unset_fake_temporarily,
-)
+from ._torch.aot import aot_module_simplified, aot_partition_fn
+from ._torch.dynamo import backend_compiler_failed, compile_session, has_dynamo_graph_arg
+from ._torch.fx import fake_mode_of, make_fx_allowing_real_inputs, tracing, unset_fake_temporarily
+from ._torch.ops import OpOverload
+from ._torch.serialize import aot_bundling, serializable_compiler
 from .cache.bundle import GraphgearOutputCode, bundled_compiler
 from .capture import MemoryPool
 from .compilers.inductor import inductor_decompositions
@@ -305,7 +296,7 @@ class GraphgearBackend:
         (``result.serialize()``) whose compiled graphs are graphgear's
         :class:`~graphgear.cache.bundle.GraphgearOutputCode`; also returns those (one per
         graph AOTAutograd compiled). ``tag`` keeps AOTAutograd's own on-disk copy of the
-        entry apart from other compiles of the same graph (``_torch.aot_bundling``)."""
+        entry apart from other compiles of the same graph (``_torch.serialize.aot_bundling``)."""
         made: list[GraphgearOutputCode] = []
         with aot_bundling(tag):
             compiled = self._compile(gm, example_inputs, None, None, {}, bundle=made)

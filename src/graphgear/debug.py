@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 
 from torch import fx
 
-from ._torch import OpOverload, OpOverloadPacket, op_name, op_packet_name
+from ._torch.ops import OpOverload, OpOverloadPacket, op_name, op_packet_name
 
 if TYPE_CHECKING:
     from .config import CompilerConfig

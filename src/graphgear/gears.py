@@ -15,7 +15,8 @@ from typing import Any
 import torch
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
-from ._torch import FakeTensor, get_backed_size_oblivious, mark_dynamic, set_backed_size_oblivious
+from ._torch.dynamo import mark_dynamic
+from ._torch.fx import FakeTensor, get_backed_size_oblivious, set_backed_size_oblivious
 from .errors import GearError
 from .shapes import ShapeInfo
 from .stats import on_reset

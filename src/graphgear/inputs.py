@@ -15,7 +15,10 @@ from typing import Any
 import torch
 from torch import fx
 
-from ._torch import OpOverload, TracingContext, aot_input_source, dynamo_graph_arg, op_schema
+from ._torch.aot import aot_input_source
+from ._torch.dynamo import dynamo_graph_arg
+from ._torch.fx import TracingContext
+from ._torch.ops import OpOverload, op_schema
 from .errors import GearError
 from .gears import get_dim_gears
 
@@ -127,7 +130,7 @@ def aot_input_positions(gm: fx.GraphModule, num_inputs: int) -> dict[int, int]:
     inputs it was given, and flattens a tensor-subclass input (a DTensor parameter) into
     its inner tensors in place, so the graph can have more placeholders than dynamo had
     inputs, not only at the front. Each placeholder's AOT descriptor says which input it
-    holds (:func:`graphgear._torch.aot_input_source`); a subclass input has no entry here
+    holds (:func:`graphgear._torch.aot.aot_input_source`); a subclass input has no entry here
     (its graph inputs are its inner tensors). Without descriptors (another torch), the
     inputs are counted from the end, as TorchAir does (``inputs[i - len(example_inputs)]``)."""
     placeholders, sources = _aot_sources(gm)
@@ -141,7 +144,7 @@ def aot_input_positions(gm: fx.GraphModule, num_inputs: int) -> dict[int, int]:
 
 def _aot_sources(gm: fx.GraphModule) -> tuple[list[fx.Node], list[Any] | None]:
     """The graph's placeholders and each one's AOT input source
-    (:func:`graphgear._torch.aot_input_source`), or None where no placeholder has one
+    (:func:`graphgear._torch.aot.aot_input_source`), or None where no placeholder has one
     (a torch without descriptors)."""
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     sources = [aot_input_source(p) for p in placeholders]

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from torch import fx
 
 from . import debug
-from ._torch import aot_forward_returns, aot_tangents, is_boxed, make_boxed_func
+from ._torch.aot import aot_forward_returns, aot_tangents, is_boxed, make_boxed_func
 from .compilers import MODE_COMPILERS, op_support
 from .config import mode_of
 from .context import CompileContext
@@ -254,7 +254,7 @@ def _dispatch(gm: fx.GraphModule, facts: GraphFacts, keyed: KeyedGraph, *, paddi
 
 def _convention(fn: Callable[..., Any], boxed: bool) -> Callable[..., Any]:
     """Adapt ``fn`` to the boxed (``fn(args_list)``) or plain (``fn(*args)``) convention;
-    a callable that is boxed says so (``_torch.boxed_convention``)."""
+    a callable that is boxed says so (``_torch.aot.boxed_convention``)."""
     if boxed == is_boxed(fn):
         return fn
     if boxed:

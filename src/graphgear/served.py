@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from ._torch import (
+from ._torch.dynamo import (
     dynamo_code_function,
     dynamo_entries,
     dynamo_frame_active,
@@ -156,7 +156,7 @@ class ServedModel:
     without its profiler ranges (``record_runtime_overhead``) and, with ``frozen`` (the
     target's parameters are final: ``frozen_parameter``), compiles the parameters into
     the graph instead of passing each as an input fetched on every call
-    (``install_free_tensors``): :func:`graphgear._torch.dynamo_served_codegen`."""
+    (``install_free_tensors``): :func:`graphgear._torch.dynamo.dynamo_served_codegen`."""
 
     def __init__(self, compiled: Callable[..., Any], target: Any, *, direct: bool = True,
                  frozen: bool = False, compile_again: Callable[[Any], Callable[..., Any]] | None = None) -> None:

@@ -20,7 +20,7 @@ from torch import fx
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv, statically_known_true
 
-from ._torch import FakeTensor, FakeTensorMode, tracing, unset_fake_temporarily
+from ._torch.fx import FakeTensor, FakeTensorMode, tracing, unset_fake_temporarily
 
 __all__ = ["ShapeInfo", "graph_outputs", "scalar_symbols", "size_outputs", "specialize", "sym_dims",
            "symbol_dims", "value_only_symbols", "with_sizes"]

@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from .._torch import functional_all_reduce
+from .._torch.distributed import functional_all_reduce
 from .toy_decoder import Attention, ToyDecoder
 
 __all__ = ["MegatronAttention", "MegatronMLP", "dtensor", "megatron"]

@@ -10,7 +10,7 @@ result (``"stored"``).
 
 * torch's ``save_compiled_function`` payload: dynamo's transformed bytecode and guards;
 * as the backend's part of it, AOTAutograd's *bundled* entry of each graph (the runtime
-  metadata and wrappers AOTAutograd puts around the compiled code; ``_torch.aot_bundling``),
+  metadata and wrappers AOTAutograd puts around the compiled code; ``_torch.serialize.aot_bundling``),
   whose compiled graph is graphgear's :class:`~graphgear.cache.bundle.GraphgearOutputCode`;
 * in it, the graph's :class:`~graphgear.cache.artifacts.ArtifactStore`: the graph after
   graphgear's passes (``GraphPickler``), and per graph key (each gear) Inductor's

@@ -38,7 +38,12 @@ from typing import Any
 import torch
 from torch import fx
 
-from .._torch import graph_pickle_dumps, graph_pickle_loads, inductor_output_for_disk, inductor_output_load
+from .._torch.serialize import (
+    graph_pickle_dumps,
+    graph_pickle_loads,
+    inductor_output_for_disk,
+    inductor_output_load,
+)
 from ..gears import get_dim_gears, set_dim_gears
 
 log = logging.getLogger(__name__)

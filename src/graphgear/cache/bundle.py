@@ -7,7 +7,7 @@ compiled code) plus the compiler's result, which must be an Inductor ``OutputCod
 graphgear's compiled callable (a geared dispatch, capture engines, Inductor's code) and
 carries the graph's :class:`~graphgear.cache.artifacts.ArtifactStore` (the graph after the
 passes, each key's compiled code). Loading the entry in a later process
-(``_torch.load_bundled_entry``) rebuilds AOTAutograd's runtime wrappers without
+(``_torch.serialize.load_bundled_entry``) rebuilds AOTAutograd's runtime wrappers without
 tracing and calls :meth:`GraphgearOutputCode.post_compile`, which rebuilds graphgear's
 callable from the store (:func:`graphgear.pipeline.rebuild_graph`): no AOTAutograd
 trace, no passes, no specialisation, no Inductor compile for a stored key.
@@ -19,7 +19,8 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .._torch import OutputCode, boxed_convention
+from .._torch.aot import boxed_convention
+from .._torch.serialize import OutputCode
 from ..config import CompilerConfig
 from ..pipeline import rebuild_graph
 from .artifacts import ArtifactStore

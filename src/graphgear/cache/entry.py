@@ -25,7 +25,7 @@ hash, ...) differ from this process's.
   classes, plain containers; no ``eval``, ``getattr``, ``os``, ``sympify``;
 * Inductor's generated module (the text in the checksummed entry) is written to
   Inductor's code cache and imported; a file already there with different text is
-  overwritten with the verified text first (``_torch.inductor_output_load``). Its C++
+  overwritten with the verified text first (``_torch.serialize.inductor_output_load``). Its C++
   kernels come from Inductor's private on-disk cache, trusted as ``torch.compile``
   trusts it.
 
@@ -46,7 +46,7 @@ import tempfile
 import time
 from typing import Any
 
-from .._torch import inductor_vec_isa_if_known
+from .._torch.isa import inductor_vec_isa_if_known
 from .artifacts import SUBSTITUTES, allowed_global
 from .store import cache_folder, locked, stat_unsafe_reason, unsafe_reason
 

@@ -13,7 +13,7 @@ new key, never per step.
 module attribute or global changed, grad mode on for an inference entry), the function
 runs through plain ``torch.compile`` with graphgear instead, with one warning: correct,
 without the cache's start-up gain. Tensors marked by ``set_dim_gears`` are passed to the
-entry without dynamo's dim markings (``_torch.without_dim_markings``: torch 2.13's
+entry without dynamo's dim markings (``_torch.dynamo.without_dim_markings``: torch 2.13's
 serialised guards reject marked tensors); the entry's dims are already symbolic and
 graphgear checks the gears itself.
 """
@@ -34,14 +34,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._torch import (
+from .._torch.dynamo import without_dim_markings
+from .._torch.fx import pytree
+from .._torch.isa import adopt_vec_isa
+from .._torch.serialize import (
     SerializableCallable,
-    adopt_vec_isa,
     aot_compiled_backend_result,
     changed_traced_sources,
-    pytree,
     serializable_guard_filter,
-    without_dim_markings,
 )
 from ..backend import get_backend
 from ..config import CompilerConfig

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._torch import inductor_config_digest
+from .._torch.serialize import inductor_config_digest
 from ..config import CompilerConfig
 from ..gears import get_dim_gears
 from ..passes import PASSES_VERSION

@@ -2,7 +2,7 @@
 
 * :class:`_CachedGraph`, the backend's result under ``aot_compile``: a
   ``SerializableCallable`` whose saved form is AOTAutograd's *bundled* entry of each
-  graph (``_torch.aot_bundling``), with graphgear's
+  graph (``_torch.serialize.aot_bundling``), with graphgear's
   :class:`~graphgear.cache.bundle.GraphgearOutputCode` as the compiled graph; loading it
   goes through the entry's restricted unpickler (:mod:`graphgear.cache.entry`).
 * AOTAutograd writes its own copy of each entry into Inductor's cache folder
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._torch import SerializableCallable, bundled_entry_outputs, load_bundled_entry
+from .._torch.serialize import SerializableCallable, bundled_entry_outputs, load_bundled_entry
 from ..backend import get_backend
 from ..config import CompilerConfig
 from .artifacts import cache_tag

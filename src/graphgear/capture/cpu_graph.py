@@ -17,7 +17,7 @@ PyTorch has no CPU graph. graphgear's works like a device graph:
 Where Inductor's generated Python is straight-line code (allocations, views, generated
 C++ kernels, ``extern_kernels`` products with ``out=``: the common case for decode steps
 at one row and for graphs without packed weights), the capture also reads it
-(``_torch.inductor_straight_line``) and evaluates it once on the record into a fixed list
+(``capture.program.inductor_straight_line``) and evaluates it once on the record into a fixed list
 of kernel calls (:class:`_Program`): a replay then only calls the kernels, with no
 allocation, view or Python frame of the generated code (the tiny served decoder's step:
 0.69x; the small one's: 0.91x).
@@ -57,15 +57,14 @@ from typing import Any
 import torch
 from torch import fx
 
-from .._torch import (
+from .._torch.inductor import (
     INDUCTOR_ALLOC_NAMES,
-    StraightLine,
     inductor_callable,
     inductor_is_cpp_wrapper,
-    inductor_straight_line,
     inductor_wrapper_globals,
 )
 from .pool import Arena, MemoryPool
+from .program import StraightLine, inductor_straight_line
 
 log = logging.getLogger(__name__)
 
@@ -215,7 +214,7 @@ class CPUGraph:
 
     def _build_program(self, outs: Sequence[Any] | None = None) -> _Program | None:
         """The replay as a list of kernel calls on the bound arguments and the record,
-        where the generated code is straight-line (``_torch.inductor_straight_line``);
+        where the generated code is straight-line (``capture.program.inductor_straight_line``);
         None otherwise, or where reading it does not give back the capture's own
         allocations (size, strides, dtype, count) and outputs (memory, size, strides)."""
         sl, arena = self.executor.straight, self._arena
@@ -313,7 +312,7 @@ class CPUGraph:
 
 class _Program:
     """A capture's replay as a fixed list of kernel calls: the generated code read as
-    straight-line code (:class:`~graphgear._torch.StraightLine`) and evaluated once on
+    straight-line code (:class:`~graphgear.capture.program.StraightLine`) and evaluated once on
     the bound arguments and the record. A replay then calls each kernel on the same
     tensors, with no allocation, view or Python frame of the generated code per replay.
 

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import torch
 from torch import fx
 
-from .._torch import has_triton
+from .._torch.inductor import has_triton
 from ..errors import CaptureError
 from .cpu_graph import CPUExecutor, CPUGraph
 from .cuda_graph import CUDAGraph

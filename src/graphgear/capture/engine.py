@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import fx
 
-from .._torch import StorageWeakRef, boxed_convention
+from .._torch.aot import boxed_convention
+from .._torch.storage import StorageWeakRef
 from ..stats import register_release
 from . import liveness
 from .cpu_graph import nbytes_of

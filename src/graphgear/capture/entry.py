@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .._torch import StorageWeakRef, has_internal_overlap
+from .._torch.storage import StorageWeakRef, has_internal_overlap
 
 __all__ = ["DATA_PTR", "Entry", "InputRoles", "getter", "same_memory", "static_buffer"]
 

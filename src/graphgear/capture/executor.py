@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .._torch import tensor_version
+from .._torch.storage import tensor_version
 
 __all__ = ["Executor", "parameters_of"]
 

@@ -11,7 +11,7 @@ graphgear's message. The graph's own buffers are never poisoned.
 
 Poisoning is ``c10::StorageImpl::release_data_and_set_meta_custom_data_ptr_error_msg_``:
 
-* CUDA builds of torch expose it (``_torch.storage_poisoner_builtin``);
+* CUDA builds of torch expose it (``_torch.storage.storage_poisoner_builtin``);
 * CPU builds do not, so graphgear builds a three-line extension once, in a subprocess
   with a time limit, into a per-user folder (``~/.cache/graphgear/extensions``, mode
   0700); a stale build lock or a failing build never hangs or crashes the caller;
@@ -56,7 +56,7 @@ from typing import Any
 
 import torch
 
-from .._torch import (
+from .._torch.storage import (
     StorageWeakRef,
     non_owning_storage,
     storage_id,

@@ -20,7 +20,8 @@ from typing import Any
 
 from torch import fx
 
-from .._torch import OpOverload, inductor_lowering
+from .._torch.inductor import inductor_lowering
+from .._torch.ops import OpOverload
 from ..capture.rules import UNCAPTURABLE
 from ..context import CompileContext
 from ..debug import op_key

@@ -16,7 +16,7 @@ from typing import Any
 
 from torch import fx
 
-from .._torch import compile_session
+from .._torch.dynamo import compile_session
 from ..capture.devices import DeviceKind
 from ..capture.executor import Executor, parameters_of
 

@@ -25,24 +25,17 @@ from torch import fx
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-from .._torch import (
-    FakeTensor,
-    FakeTensorMode,
-    TracingContext,
-    boxed_convention,
-    count_tangents,
+from .._torch.aot import boxed_convention, count_tangents
+from .._torch.fx import FakeTensor, FakeTensorMode, TracingContext, pytree, tracing, unset_fake_temporarily
+from .._torch.inductor import (
     inductor_compile_fx_inner,
     inductor_config_patch,
-    inductor_decomp_table,
     inductor_donated_buffers,
     inductor_drop_args,
     inductor_mark_frozen,
-    inductor_replace_random,
     inductor_unlist_module,
-    pytree,
-    tracing,
-    unset_fake_temporarily,
 )
+from .._torch.inductor_passes import inductor_decomp_table, inductor_replace_random
 from ..cache.artifacts import KeyArtifact, strip_cache_tag
 from ..config import CompilerConfig
 from ..context import CompileContext

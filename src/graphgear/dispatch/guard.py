@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .._torch import boxed_convention
+from .._torch.aot import boxed_convention
 from ..gears import GearPlan
 from .keyed import KeyedGraph
 from .precompile import precompiling

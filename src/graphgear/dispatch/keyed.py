@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from .._torch import boxed_convention, compile_session
+from .._torch.aot import boxed_convention
+from .._torch.dynamo import compile_session
 from ..shapes import with_sizes
 from .facts import GraphFacts
 

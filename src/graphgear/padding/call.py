@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from .._torch import boxed_convention
+from .._torch.aot import boxed_convention
 from ..dispatch.facts import GraphFacts
 from ..errors import GearError
 from ..shapes import size_outputs, with_sizes

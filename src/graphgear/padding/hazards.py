@@ -38,7 +38,7 @@ import sympy
 import torch
 from torch import fx
 
-from .._torch import OpOverload, op_name, op_schema
+from .._torch.ops import OpOverload, op_name, op_schema
 from ..shapes import symbol_dims
 
 __all__ = ["PaddingHazard", "padding_hazards"]

@@ -44,7 +44,7 @@ import torch
 from torch import fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from .._torch import enable_python_dispatcher, fake_mode_of, node_erased
+from .._torch.fx import enable_python_dispatcher, fake_mode_of, node_erased
 from ..shapes import known_equal
 from .manager import node_val
 

@@ -50,7 +50,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from .._torch import inductor_decomp_table, inductor_realize
+from .._torch.inductor_passes import inductor_decomp_table, inductor_realize
 from ..config import mode_of
 from ..cpu.kernels import decode_attention_kernel as attention_kernel
 from ..shapes import known_equal

@@ -45,17 +45,9 @@ from torch import fx
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-from .._torch import (
-    FakeTensor,
-    FakeTensorMode,
-    OpOverload,
-    enable_python_dispatcher,
-    fake_mode_of,
-    has_kernel_for_dispatch_key,
-    inductor_decomp_table,
-    inductor_remove_noop_ops,
-    op_schema,
-)
+from .._torch.fx import FakeTensor, FakeTensorMode, enable_python_dispatcher, fake_mode_of
+from .._torch.inductor_passes import inductor_decomp_table, inductor_remove_noop_ops
+from .._torch.ops import OpOverload, has_kernel_for_dispatch_key, op_schema
 from ..config import mode_of
 from ..stats import record_joint_passes
 from . import ops

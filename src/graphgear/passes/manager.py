@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from torch import fx
 
 from .. import debug
-from .._torch import stable_topological_sort
+from .._torch.fx import stable_topological_sort
 
 if TYPE_CHECKING:
     from ..config import CompilerConfig

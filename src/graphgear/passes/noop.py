@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from .._torch import has_storage, storage_id
+from .._torch.storage import has_storage, storage_id
 from ..inputs import written_arguments
 from ..shapes import known_equal
 from .manager import GraphPass, node_val

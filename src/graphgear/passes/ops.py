@@ -28,13 +28,9 @@ import torch
 from torch import fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from .._torch import (
-    decomp_fused_rms_norm,
-    decomp_fused_rms_norm_backward,
-    fake_mode_of,
-    inductor_lowering,
-    pytree,
-)
+from .._torch.fx import fake_mode_of, pytree
+from .._torch.inductor import inductor_lowering
+from .._torch.ops import decomp_fused_rms_norm, decomp_fused_rms_norm_backward
 
 log = logging.getLogger(__name__)
 

@@ -21,14 +21,12 @@ from typing import Any
 
 from torch import fx
 
-from .._torch import (
-    fake_mode_of,
+from .._torch.fx import fake_mode_of, tracing, unset_fake_temporarily
+from .._torch.inductor_passes import (
     inductor_decomp_table,
     inductor_virtual_fake_mode,
     pattern_matcher_pass,
     register_pattern,
-    tracing,
-    unset_fake_temporarily,
 )
 from ..config import mode_of
 from .manager import GraphPass, sort_and_clean

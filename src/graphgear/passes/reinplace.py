@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from .._torch import OpOverload, op_overload_name, op_schema
+from .._torch.ops import OpOverload, op_overload_name, op_schema
 from .manager import GraphPass
 
 aten = torch.ops.aten

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from .._torch import OpOverload
+from .._torch.ops import OpOverload
 from .manager import GraphPass
 
 aten = torch.ops.aten

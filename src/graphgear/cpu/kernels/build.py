@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ... import _torch
+from ..._torch import inductor as _torch_inductor
 
 log = logging.getLogger(__name__)
 
@@ -56,11 +56,11 @@ static inline void vstore(float* p, vec v) { *reinterpret_cast<uvec*>(p) = v; }
 
 def build(what: str, argtypes: Sequence[str], source: str, instead: str) -> KernelFn | None:
     """``source`` (C++ defining ``extern "C" void kernel(...)`` with ``argtypes``) built
-    by :func:`graphgear._torch.inductor_load_cpp_kernel` into a built-in function, or
+    by :func:`graphgear._torch.inductor.inductor_load_cpp_kernel` into a built-in function, or
     None where it cannot be built here: then a warning names ``what`` could not be
     built, why, and what runs ``instead``."""
     try:
-        return _torch.inductor_load_cpp_kernel(argtypes, source)
+        return _torch_inductor.inductor_load_cpp_kernel(argtypes, source)
     except Exception as e:  # no compiler, or Inductor's build changed: the caller falls back
         log.warning("graphgear: %s could not be built (%s: %s); %s instead.", what, type(e).__name__,
                     str(e).splitlines()[0] if str(e) else "", instead)
@@ -92,7 +92,7 @@ class ExternKernel:
 
     def register_lowering(self) -> None:
         """Inductor's lowering of the op to the extern function (once per process)."""
-        _torch.register_inductor_extern_out(getattr(torch.ops.graphgear, self.name).default, self.out,
+        _torch_inductor.register_inductor_extern_out(getattr(torch.ops.graphgear, self.name).default, self.out,
                                             f"graphgear_{self.name}", self.out_size, self.call_kwargs)
 
 
@@ -109,7 +109,7 @@ def extern_kernel(name: str, output: Callable[..., torch.Tensor], *, kernel: Cal
     call, so a test may replace it). ``args(*tensors, **kwargs, out=buf)``: the kernel's
     C arguments, checked (a ValueError naming what was expected otherwise).
     ``out_size(*sizes, *scalars)`` and ``call_kwargs(*scalars)``: for Inductor's
-    lowering (:func:`graphgear._torch.register_inductor_extern_out`); ``call_kwargs``
+    lowering (:func:`graphgear._torch.inductor.register_inductor_extern_out`); ``call_kwargs``
     also says which scalars the extern call takes as keywords (none without it)."""
 
     def out(*tensors: torch.Tensor, out: torch.Tensor, **kwargs: Any) -> torch.Tensor:

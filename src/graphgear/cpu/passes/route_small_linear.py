@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from ..._torch import inductor_one_row_decompose_limit
+from ..._torch.inductor_passes import inductor_one_row_decompose_limit
 from ...passes.manager import GraphPass
 from ..kernels import small_linear_kernel
 from .rewrite import replace_node, transposed
