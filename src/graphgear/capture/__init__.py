@@ -7,7 +7,8 @@ compiler before the engine exists), :mod:`.devices` (the device graphs by device
 ``cpu_graph``, graphgear's own; ``cuda_graph``, ``torch.cuda.CUDAGraph``; ``npu_graph``,
 ``torch.npu.NPUGraph``), :mod:`.group` (what the engines of one FX graph share: pool,
 capture count), :mod:`.pool` and :mod:`.liveness` (memory and stale outputs),
-:mod:`.rules` (what cannot be captured), :mod:`.failures` (what happens then). This layer
+:mod:`.rules` (what cannot be captured), :mod:`.failures` (what happens then),
+:mod:`.program` (Inductor's generated code read as a list of kernel calls). This layer
 imports no compiler: the mode compiler that uses it is
 ``graphgear.compilers.reduce_overhead``.
 

@@ -4,7 +4,7 @@ compiler before the engine exists.
 :class:`Executor` holds one code for every capture of the graph (every key, thread and
 address). Where the code holds the static inputs' values (``frozen_parameter``: the
 weights are constants of it), the compiler hands over an executor with
-``holds_statics=True`` instead (``compilers.frozen.FrozenExecutor``): it makes one code per
+``holds_statics=True`` instead (``compilers.executors.FrozenExecutor``): it makes one code per
 set of static inputs, and makes it again when their version counters show they were
 written in place. The engine asks only :meth:`Executor.code` and, for such code,
 :meth:`Executor.versions`; it never compiles.
