@@ -17,11 +17,20 @@ import torch  # noqa: E402
 
 import graphgear  # noqa: E402
 
+_MODULE_CALL = torch.nn.Module.__call__
+
 
 @pytest.fixture(autouse=True)
 def _fresh_state():
-    """Every test starts with no compiled graphs and a fixed seed."""
+    """Every test starts with no compiled graphs and a fixed seed. A test that leaves an
+    FX trace's process-wide patch of ``nn.Module.__call__`` behind (two traces at once in
+    two threads restore each other's patch) fails here, by name, and the patch is undone
+    so the tests after it do not all fail with dynamo's "symbolically trace" error."""
     torch.manual_seed(0)
     graphgear.reset()
     yield
     graphgear.reset()
+    leaked = torch.nn.Module.__call__ is not _MODULE_CALL
+    if leaked:
+        torch.nn.Module.__call__ = _MODULE_CALL
+    assert not leaked, "this test left an FX trace's patch of torch.nn.Module.__call__ in place"

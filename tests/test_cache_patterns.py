@@ -216,3 +216,34 @@ def test_two_threads_serve_the_module_method_pattern(tmp_path: Path) -> None:
 
     run_threads(worker, 2)
     assert len(list((tmp_path / "cache").glob("*.ggc"))) == 1
+
+
+def test_every_fx_trace_of_the_pattern_holds_dynamos_compile_lock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's precompile (``aot_compile``) does not take dynamo's compile lock, and an FX
+    trace patches ``nn.Module.__call__`` process-wide: two traces at once in two threads
+    restore each other's patch, and every compiled call after that, in any test, fails
+    with dynamo's "symbolically trace" error (the CI run that found it: 339 failures).
+    Deterministic where the race is not: each trace of a store and of a run-time gear
+    must hold the lock."""
+    import torch.fx._symbolic_trace as fx_trace
+    from torch._dynamo.convert_frame import compile_lock
+
+    from tests.models.cache_users import SelfCachedMLP
+
+    unlocked: list[str] = []
+    original = fx_trace.Tracer.trace
+
+    def trace(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not compile_lock._is_owned():
+            unlocked.append(type(self).__name__)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(fx_trace.Tracer, "trace", trace)
+    model = SelfCachedMLP(graphgear.CompilerConfig(), str(_folder(tmp_path))).eval()
+    for n in (4, 2):  # the second gear compiles at run time, into the stored entry
+        x = torch.randn(n, 16)
+        graphgear.set_dim_gears(x, {0: [2, 4, 8]})
+        out = model(x)
+        with torch.no_grad():
+            torch.testing.assert_close(out, model._forward(x))
+    assert not unlocked, f"FX traces outside dynamo's compile lock: {unlocked}"

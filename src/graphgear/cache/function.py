@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._torch.dynamo import without_dim_markings
+from .._torch.dynamo import compile_session, without_dim_markings
 from .._torch.fx import pytree
 from .._torch.isa import adopt_vec_isa
 from .._torch.serialize import (
@@ -144,8 +144,13 @@ class CachedFunction:
         key, parts = known
         compiled = self._loaded.get(key)
         if compiled is None:
-            compiled = self._load_or_compile(key, parts, args, kwargs)
-            self._loaded[key] = compiled
+            # torch's precompile traces outside dynamo's compile lock; another thread's
+            # trace meanwhile would corrupt FX's process-wide patch of Module.__call__
+            with compile_session():
+                compiled = self._loaded.get(key)
+                if compiled is None:
+                    compiled = self._load_or_compile(key, parts, args, kwargs)
+                    self._loaded[key] = compiled
         if compiled is self._fallback or isinstance(compiled, _Unsupported):
             return compiled(*args, **kwargs)
         args, kwargs = pytree.tree_map_only(torch.Tensor, without_dim_markings, (args, kwargs))
