@@ -1,6 +1,18 @@
-"""graphgear's exception types."""
+"""graphgear's exception types.
+
+Every error graphgear raises on purpose derives from :class:`GraphgearError`, and also
+from the builtin error it has always been (``ValueError`` or ``RuntimeError``), so an
+``except ValueError`` written before the base existed still catches it. All are exported
+at top level: ``graphgear.GraphgearError``, ``graphgear.ConfigError``,
+``graphgear.GearError``, ``graphgear.CaptureError``.
+"""
 
 from __future__ import annotations
+
+__all__ = ["REPORT_BUG", "CaptureError", "ConfigError", "GearError", "GraphgearError", "graphgear_error"]
+
+#: How a message about a graphgear bug ends: where to report it and what to attach.
+REPORT_BUG = "report it, with the output of `graphgear env`, on the project's issue tracker"
 
 
 class GraphgearError(Exception):

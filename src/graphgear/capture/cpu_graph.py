@@ -63,6 +63,7 @@ from .._torch.inductor import (
     inductor_is_cpp_wrapper,
     inductor_wrapper_globals,
 )
+from ..errors import REPORT_BUG
 from .pool import Arena, MemoryPool
 from .program import StraightLine, inductor_straight_line
 
@@ -247,7 +248,7 @@ class CPUGraph:
                 f"{tuple(old.size())}, strides {old.stride()}, {old.dtype} on {old.device}; it was "
                 f"called with size {tuple(t.size())}, strides {t.stride()}, {t.dtype} on {t.device} "
                 f"at a new address. Its code is compiled for the first layout, and dynamo's guards "
-                f"should have sent this call to another graph: this is a graphgear bug; report it. "
+                f"should have sent this call to another graph: this is a graphgear bug; {REPORT_BUG}. "
                 f"Until then pass the input with the layout it was captured with (for example "
                 f".contiguous()).")
         self.args[i] = t
@@ -297,7 +298,7 @@ class CPUGraph:
     def _diverged(self) -> str:
         return (f"graphgear: the CPU graph of {self.name} allocated differently on replay than at "
                 f"capture ({len(self.record)} buffers recorded); its outputs are not trustworthy. "
-                f"This is a graphgear bug; report it, and set capture_config.fallback='eager' "
+                f"This is a graphgear bug; {REPORT_BUG}. Until then set capture_config.fallback='eager' "
                 f"with debug.run_eagerly=True to work around it.")
 
     def release(self) -> None:
