@@ -39,6 +39,8 @@ Submodules:
 - :mod:`.serialize`: graph pickling, AOTAutograd's bundled entries, Inductor's output
   for disk and its load, the config digest, the precompile guard filter.
 - :mod:`.isa`: Inductor's CPU vector ISA.
+- :mod:`.toolchain`: Inductor's C++ compiler, the vector ISA it picks and its default
+  cache folder, as ``graphgear env`` reports them.
 - :mod:`.distributed`: functional collectives.
 
 Public, and so used directly elsewhere: ``torch.compiler.reset`` (documented; in 2.13

@@ -4,7 +4,12 @@
   and random weights, the model ``graphgear bench`` runs by default (the tests, the
   benchmarks and the examples use it too);
 * :mod:`~graphgear.bench.toy_decoder_tp`: that decoder split for tensor parallelism;
-* :mod:`~graphgear.bench.run`: the bench itself (``graphgear bench`` in ``cli``).
+* :mod:`~graphgear.bench.models`: the models ``graphgear bench --model`` builds (the toy,
+  transformers Llama, Qwen2 and GPT-2 from small configs);
+* :mod:`~graphgear.bench.names`: the contender, model and dtype names, and the
+  command-line conventions, shared with ``benchmarks/*.py``;
+* :mod:`~graphgear.bench.run`: the bench itself (``graphgear bench`` in ``cli``), and
+  :mod:`~graphgear.bench.report` its table, JSON and plot.
 
 The library never imports this package: it sits above ``graphgear.inference`` in the
 layers of ``tests/test_layout.py``.
@@ -12,6 +17,10 @@ layers of ``tests/test_layout.py``.
 
 from __future__ import annotations
 
-from .run import CONTENDERS, BenchResult, format_table, plot, run_bench, write_json
+from .models import build_model
+from .names import CONTENDERS, DTYPES, MODELS
+from .report import format_table, plot, write_json
+from .run import DEFAULT_CONTENDERS, BenchResult, run_bench
 
-__all__ = ["CONTENDERS", "BenchResult", "format_table", "plot", "run_bench", "write_json"]
+__all__ = ["CONTENDERS", "DEFAULT_CONTENDERS", "DTYPES", "MODELS", "BenchResult", "build_model",
+           "format_table", "plot", "run_bench", "write_json"]
