@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 __all__ = ["DEFAULT_CONTENDERS", "BenchResult", "run_bench"]
 
 #: what ``graphgear bench`` runs unless told otherwise
-DEFAULT_CONTENDERS = (EAGER, TORCH_COMPILE, MAX_AUTOTUNE, REDUCE_OVERHEAD)
+DEFAULT_CONTENDERS = CONTENDERS
 
 
 @dataclasses.dataclass
