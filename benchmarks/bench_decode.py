@@ -1,21 +1,22 @@
 """Decode step of a transformers decoder at every batch size, side by side in one run.
 
-    python benchmarks/bench_decode.py [--sizes small,large] [--batch-sizes 1 2 4 8]
+    python benchmarks/bench_decode.py [--sizes small large] [--batch-sizes 1 2 4 8]
                                       [--steps 50] [--rounds 5] [--threads 1] [--json FILE]
-                                      [--dtype float32|bfloat16]
+                                      [--dtype float32|bfloat16] [--contenders NAME ...]
 
-One table per model size. Rows are contenders: eager, ``torch.compile`` default
-(Inductor), graphgear ``max-autotune``, graphgear ``reduce-overhead``, and
-reduce-overhead with ``frozen_parameter`` (weights packed as constants), and
-``graphgear.inference.serve`` (frozen parameters plus the serving guard filter; see the
-README); columns are batch sizes. Each cell is µs per decode
-step and the ratio to eager; the last column gives the weight bandwidth at batch 1
+One table per model size. Rows are contenders: ``eager``, ``torch.compile`` (its default,
+Inductor), ``graphgear-max-autotune``, ``graphgear-reduce-overhead``,
+``graphgear-reduce-overhead-frozen`` (``frozen_parameter``: weights packed as constants)
+and ``graphgear-serve`` (``graphgear.inference.serve``: frozen parameters plus the
+serving guard filter); columns are batch sizes. Each cell is µs per decode
+step and the speedup vs eager (eager's time / the contender's: higher is better); the
+last column gives the weight bandwidth at batch 1
 (weight bytes read per step / step time) and its share of the machine's single-thread
 read bandwidth, measured in the same run (``torch.sum`` over a 100 MB tensor). A last
 row gives the roofline floor of a step at each batch: the weights read once at that
 bandwidth, or the matrix products' FLOPs at the machine's GEMM rate (a 512-cube ``mm``,
 measured in the same run), whichever is longer; each graphgear line says how close to
-it a contender gets (floor / time). ``--dtype bfloat16`` runs every contender on a bf16
+it a contender gets (floor / time: higher is better). ``--dtype bfloat16`` runs every contender on a bf16
 copy of the model (the bandwidth counts bf16 bytes; the GEMM rate is then a bf16 ``mm``,
 oneDNN's, on AMX where the CPU has it) and compares the logits with float32 eager's.
 
@@ -50,6 +51,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch  # noqa: E402
 
 import graphgear  # noqa: E402
+from graphgear.bench.names import CONTENDERS as NAMES  # noqa: E402
+from graphgear.bench.names import name_type, positive_int, speedup_label  # noqa: E402
+from graphgear.env import run_metadata  # noqa: E402
 
 SIZES = {
     "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
@@ -59,8 +63,9 @@ SIZES = {
     "large": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=2, num_attention_heads=8,
                   num_key_value_heads=4, vocab_size=8192),
 }
-CONTENDERS = ("eager", "torch.compile", "gg max-autotune", "gg reduce-overhead", "gg reduce-overhead frozen",
-              "gg serving")
+#: the contenders, named as everywhere (graphgear.bench.names), and this benchmark's frozen variant
+CONTENDERS = (*NAMES[:4], "graphgear-reduce-overhead-frozen", NAMES[4])
+SERVE, SERVE_VIA_DYNAMO = "graphgear-serve", "graphgear-serve-via-dynamo"
 MAX_LEN = 64
 
 
@@ -120,13 +125,13 @@ def compiled(name: str, model: torch.nn.Module) -> Callable[..., Any]:
         return model
     if name == "torch.compile":
         return torch.compile(model)
-    if name == "gg serving":
+    if name == SERVE:
         return graphgear.inference.serve(model)
-    if name == "gg serving via dynamo":  # every call through dynamo's frame evaluation
+    if name == SERVE_VIA_DYNAMO:  # every call through dynamo's frame evaluation
         return graphgear.inference.serve(model, direct=False)
     cfg = graphgear.CompilerConfig()
     cfg.mode = "max-autotune" if name.endswith("max-autotune") else "reduce-overhead"
-    if name.endswith("frozen"):
+    if name.endswith("-frozen"):
         cfg.experimental_config.frozen_parameter = True
     return torch.compile(model, backend=graphgear.get_backend(cfg))
 
@@ -223,7 +228,8 @@ def scaling(size: str, contender: str, batches: list[int], steps: int, rounds: i
     med = {b: statistics.median(v) for b, v in samples.items()}
     print(f"\n{size}, {contender}, batches interleaved: " + ", ".join(
         f"batch {b} {med[b] * 1e6:.0f} us" for b in batches)
-        + f"; batch {batches[-1]} / batch {batches[0]} = {med[batches[-1]] / med[batches[0]]:.2f}x (target <= 1.5x)")
+        + f"; step time batch {batches[-1]} / batch {batches[0]} = {med[batches[-1]] / med[batches[0]]:.2f}x "
+        "(lower is better; target <= 1.5x)")
     return med
 
 
@@ -231,24 +237,26 @@ def print_table(r: dict[str, Any], batches: list[int], bw: float, peak: float) -
     eager = r["us"]["eager"]
     print(f"\n{r['size']} ({r['dtype']}): weights {r['weight_bytes'] / 1e6:.1f} MB; machine read bandwidth "
           f"{bw:.1f} GB/s, {r['dtype']} GEMM {peak:.1f} GFLOP/s")
-    head = f"{'contender':28s}" + "".join(f"{'batch ' + str(b):>20s}" for b in batches) + f"{'GB/s (batch 1)':>22s}"
+    print(f"each cell: us per step, {speedup_label('eager')}")
+    head = f"{'contender':34s}" + "".join(f"{'batch ' + str(b):>20s}" for b in batches) + f"{'GB/s (batch 1)':>22s}"
     print(head)
     for c, per in r["us"].items():
-        cells = "".join(f"{per[b] * 1e6:10.0f} us {per[b] / eager[b]:5.2f}x" for b in batches)
+        cells = "".join(f"{per[b] * 1e6:10.0f} us {eager[b] / per[b]:5.2f}x" for b in batches)
         b1 = batches[0]
         gbs = r["weight_bytes"] / per[b1] / 1e9
-        print(f"{c:28s}{cells}{gbs:10.1f} ({100 * gbs / bw:3.0f} %)")
+        print(f"{c:34s}{cells}{gbs:10.1f} ({100 * gbs / bw:3.0f} %)")
     floors = {b: floor_us(r["weight_bytes"], b, bw, peak, r["itemsize"]) for b in batches}
-    print(f"{'roofline floor':28s}" + "".join(f"{us:10.0f} us {bound[:4]:>6s}" for us, bound in floors.values()))
+    print(f"{'roofline floor':34s}" + "".join(f"{us:10.0f} us {bound[:4]:>6s}" for us, bound in floors.values()))
     r["floor_us"] = {b: us for b, (us, _) in floors.items()}
     if "torch.compile" in r["us"]:
         tc = r["us"]["torch.compile"]
         for c in r["us"]:
-            if c.startswith("gg"):
-                print(f"  {c} vs torch.compile: " + ", ".join(
-                    f"batch {b} {r['us'][c][b] / tc[b]:.2f}x" for b in batches)
-                    + f"; batch {batches[-1]} / batch {batches[0]} = "
-                    f"{r['us'][c][batches[-1]] / r['us'][c][batches[0]]:.2f}x; roofline floor / time: "
+            if c.startswith("graphgear"):
+                print(f"  {c}: {speedup_label('torch.compile')} " + ", ".join(
+                    f"batch {b} {tc[b] / r['us'][c][b]:.2f}x" for b in batches)
+                    + f"; step time batch {batches[-1]} / batch {batches[0]} (lower is better) "
+                    f"{r['us'][c][batches[-1]] / r['us'][c][batches[0]]:.2f}x; roofline floor / time "
+                    "(higher is better): "
                     + ", ".join(f"{100 * floors[b][0] / (r['us'][c][b] * 1e6):.0f} %" for b in batches))
     print("  max abs diff of the logits vs eager: "
           + ", ".join(f"{c} {d:.1e}" for c, d in r["max_abs_diff"].items()))
@@ -266,7 +274,7 @@ def overhead(size: str, steps: int, rounds: int) -> dict[str, float]:
     from graphgear.capture import CaptureEngine
 
     graphgear.reset()
-    dec = Decoder("gg serving", build(size), 1)
+    dec = Decoder(SERVE, build(size), 1)
     bare = torch.compile(lambda x: x, backend=graphgear.get_backend())
     # the model's own Python and dynamo's frame and guards, with no kernels and no
     # AOTAutograd: a backend whose graph returns the outputs of its first run
@@ -285,7 +293,7 @@ def overhead(size: str, steps: int, rounds: int) -> dict[str, float]:
                      if e.graph is not None)
         # the same served model, every call through dynamo (made after the graph above
         # was found: its replay writes dec's cache)
-        via = Decoder("gg serving via dynamo", dec.model, 1)
+        via = Decoder(SERVE_VIA_DYNAMO, dec.model, 1)
         for _ in range(4):
             via.step()
         n = min(steps, MAX_LEN - 4)
@@ -309,10 +317,10 @@ def overhead(size: str, steps: int, rounds: int) -> dict[str, float]:
     floor = med["kernels"] + med["bare"]
     print(f"\n{size}, served batch-1 step: {med['step']:.0f} us; kernels (replay alone) "
           f"{med['kernels']:.0f} us + bare compiled call {med['bare']:.1f} us = {floor:.0f} us; "
-          f"step / that = {med['step'] / floor:.2f}x (target <= 1.5x)")
+          f"step / that = {med['step'] / floor:.2f}x (lower is better; target <= 1.5x)")
     print(f"  the same served model with every call through dynamo's frame evaluation "
-          f"(serve(direct=False)): {med['via_dynamo']:.0f} us; direct / that = "
-          f"{med['step'] / med['via_dynamo']:.2f}x")
+          f"(serve(direct=False)): {med['via_dynamo']:.0f} us; direct serving's {speedup_label('that')}: "
+          f"{med['via_dynamo'] / med['step']:.2f}x")
     rest = med["step"] - med["kernels"] - med["shell"]
     print(f"  the model's Python and dynamo's frame and guards alone (a backend returning stored "
           f"outputs): {med['shell']:.0f} us; so AOTAutograd's wrapper and graphgear's engine take "
@@ -382,37 +390,34 @@ def _first_outputs(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Calla
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", default="small", help="comma-separated: tiny, small, large ('' for none)")
-    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--sizes", nargs="*", type=name_type(tuple(SIZES), "model size"), default=["small"],
+                    help="space-separated: tiny, small, large (none: --sizes alone)")
+    ap.add_argument("--batch-sizes", type=positive_int, nargs="+", default=[1, 2, 4, 8], help="space-separated")
     ap.add_argument("--steps", type=int, default=50, help="steps per contender per round")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--contenders", default=",".join(CONTENDERS),
-                    help="comma-separated; eager is always run (the reference of ratios and numerics)")
-    ap.add_argument("--scaling", default="gg serving",
-                    help="contender whose batches are then timed interleaved ('' for none)")
-    ap.add_argument("--overhead", default="tiny", help="model size for the overhead split ('' for none)")
-    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--contenders", nargs="+", type=name_type(CONTENDERS), default=list(CONTENDERS),
+                    help=f"space-separated, out of: {', '.join(CONTENDERS)}; eager is always run (the "
+                         "reference of speedups and numerics)")
+    ap.add_argument("--scaling", default=SERVE, type=name_type(("none", *CONTENDERS)),
+                    help="contender whose batches are then timed interleaved (none: none)")
+    ap.add_argument("--overhead", default="tiny", type=name_type(("none", *SIZES), "model size"),
+                    help="model size for the overhead split (none: none)")
+    ap.add_argument("--json", help="write the results here, with the run's versions, threads, CPU and commit")
     ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
                     help="the models' parameter dtype (the overhead split stays float32)")
     a = ap.parse_args(argv)
     dtype = DTYPES[a.dtype]
     torch.set_num_threads(a.threads)
-    contenders = [c for c in a.contenders.split(",") if c]
-    unknown = [c for c in contenders if c not in CONTENDERS]
-    if unknown:
-        ap.error(f"--contenders: unknown {unknown}; choose from {','.join(CONTENDERS)}")
-    if a.scaling and a.scaling not in CONTENDERS:
-        ap.error(f"--scaling: unknown {a.scaling!r}; choose from {','.join(CONTENDERS)}")
+    contenders = list(dict.fromkeys(a.contenders))
+    a.scaling = None if a.scaling == "none" else a.scaling
+    a.overhead = None if a.overhead == "none" else a.overhead
     if "eager" not in contenders:  # the reference of every ratio and of the numerics
         contenders.insert(0, "eager")
     contenders.sort(key=lambda c: c != "eager")
     bw = read_bandwidth()
     peak = gemm_peak(dtype)
-    sizes = [s for s in a.sizes.split(",") if s]
-    unknown = [s for s in sizes if s not in SIZES]
-    if unknown:
-        ap.error(f"--sizes: unknown {unknown}; choose from {','.join(SIZES)}")
+    sizes = list(dict.fromkeys(a.sizes))
     results = []
     for size in sizes:
         r = bench_size(size, a.batch_sizes, a.steps, a.rounds, contenders, dtype)
@@ -423,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     split = overhead(a.overhead, a.steps, a.rounds) if a.overhead else None
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"read_bandwidth_gbs": bw, "gemm_gflops": peak, "threads": a.threads, "results": results,
+            json.dump({"meta": {**run_metadata(), "command": " ".join(sys.argv)}, "read_bandwidth_gbs": bw, "gemm_gflops": peak, "threads": a.threads, "results": results,
                        "overhead": split, "scaling": scaled}, f, indent=1)
     return 0
 
