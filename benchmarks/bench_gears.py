@@ -1,16 +1,17 @@
 """Shape churn: 64 distinct batch sizes (1..64, shuffled) through the embedded decoder.
 
-Side by side in one process, on the same stream of sizes:
-- graphgear with gears [1, 2, 4, ..., 64] and gear_padding (each mode asked for),
-- torch.compile defaults (Inductor, automatic dynamic shapes),
-- torch.compile(dynamic=True).
+Side by side in one process, on the same stream of sizes, each contender asked for:
+- ``graphgear-max-autotune`` / ``graphgear-reduce-overhead``: gears [1, 2, 4, ..., 64] and
+  gear_padding,
+- ``torch.compile``: its defaults (Inductor, automatic dynamic shapes),
+- ``torch.compile-dynamic``: ``torch.compile(dynamic=True)``.
 Every step starts from an empty KV cache (``reset_cache()``), so each is an independent
 request: padding writes the padded rows' cache slots, which a later, larger batch would
 read (see "When padding is safe" in the README). Prints, per contender: graphs compiled, dynamo recompiles, eager fallbacks (frames
 dynamo gave up on, graphgear fallbacks), total seconds for the whole stream (compile
 time included), and the max abs difference from eager.
 
-    python benchmarks/bench_gears.py [--modes max-autotune,reduce-overhead] [--skip-torch]
+    python benchmarks/bench_gears.py [--contenders graphgear-max-autotune torch.compile ...]
 """
 
 from __future__ import annotations
@@ -28,20 +29,26 @@ import torch  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 
 import graphgear  # noqa: E402
+from graphgear.bench.names import CONTENDERS as NAMES  # noqa: E402
+from graphgear.bench.names import name_type  # noqa: E402
 from graphgear.bench.toy_decoder import DecoderConfig, ToyDecoder  # noqa: E402
 
 GEARS = [1, 2, 4, 8, 16, 32, 64]
+TORCH_COMPILE, MAX_AUTOTUNE, REDUCE_OVERHEAD = NAMES[1:4]
+TORCH_COMPILE_DYNAMIC = "torch.compile-dynamic"  # torch.compile(dynamic=True)
+CONTENDERS = (MAX_AUTOTUNE, REDUCE_OVERHEAD, TORCH_COMPILE, TORCH_COMPILE_DYNAMIC)
+MODES = {MAX_AUTOTUNE: "max-autotune", REDUCE_OVERHEAD: "reduce-overhead"}
 
 
 def run(name: str, model: torch.nn.Module, sizes: list[int], ref: dict[int, torch.Tensor]) -> dict:
     graphgear.reset()
     counters.clear()
-    if name.startswith("graphgear"):
+    if name in MODES:
         cfg = graphgear.CompilerConfig()
-        cfg.mode = name.split()[-1]
+        cfg.mode = MODES[name]
         cfg.inference_config.gear_padding = True
         fn = torch.compile(model, backend=graphgear.get_backend(compiler_config=cfg))
-    elif name == "torch.compile dynamic=True":
+    elif name == TORCH_COMPILE_DYNAMIC:
         fn = torch.compile(model, dynamic=True)
     else:
         fn = torch.compile(model)
@@ -71,9 +78,10 @@ def run(name: str, model: torch.nn.Module, sizes: list[int], ref: dict[int, torc
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--modes", default="max-autotune", help="graphgear modes, comma-separated")
+    p.add_argument("--contenders", nargs="+", type=name_type(CONTENDERS),
+                   default=[MAX_AUTOTUNE, TORCH_COMPILE, TORCH_COMPILE_DYNAMIC],
+                   help=f"space-separated, out of: {', '.join(CONTENDERS)}")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--skip-torch", action="store_true", help="only graphgear")
     args = p.parse_args()
     torch.manual_seed(args.seed)
     sizes = list(range(1, 65))
@@ -85,9 +93,7 @@ def main() -> None:
         for i, b in enumerate(sizes):
             eager.reset_cache()
             ref[i] = eager(torch.full((b, 1), 3, dtype=torch.long), torch.tensor([i % base.cfg.max_seq_len]))
-    contenders = [f"graphgear {m.strip()}" for m in args.modes.split(",") if m.strip()]
-    if not args.skip_torch:
-        contenders += ["torch.compile default", "torch.compile dynamic=True"]
+    contenders = list(dict.fromkeys(args.contenders))
     rows = [run(c, copy.deepcopy(base), sizes, ref) for c in contenders]
     print(f"64 distinct batch sizes, shuffled; graphgear gears {GEARS} with padding")
     print(f"{'contender':<30} {'graphs':>6} {'recompiles':>10} {'fallbacks':>9} {'seconds':>8} {'max diff':>9}")

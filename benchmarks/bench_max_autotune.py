@@ -1,9 +1,10 @@
-"""graphgear max-autotune beside torch.compile's default (Inductor) on the embedded
+"""graphgear-max-autotune beside torch.compile's default (Inductor) on the embedded
 decoder step: batch 1, one token, tensor positions, ``torch.no_grad()``.
 
 Measured in one run, interleaved (each round times every variant in turn), one thread
-by default. Reports the median step time of each variant, its ratio to
-``torch.compile`` default, and the compile seconds of graphgear max-autotune cold (a
+by default. Reports the median step time of each variant, its speedup vs
+``torch.compile`` (its default; torch.compile's time / the variant's: higher is better),
+and the compile seconds of graphgear-max-autotune cold (a
 new, empty Inductor cache dir, in a fresh process) and warm (a fresh process on the
 cache the cold run filled).
 
@@ -32,7 +33,10 @@ use_private_inductor_cache()  # before torch: importing torch._dynamo fixes the 
 import torch  # noqa: E402
 
 import graphgear  # noqa: E402
+from graphgear.bench.names import CONTENDERS, speedup_label, speedup_note  # noqa: E402
 from graphgear.bench.toy_decoder import DecoderConfig, ToyDecoder  # noqa: E402
+
+EAGER, TORCH_COMPILE, MAX_AUTOTUNE = CONTENDERS[:3]
 
 
 def step_inputs() -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,13 +54,13 @@ def graphgear_backend(fx_passes: bool, disabled: tuple[str, ...] = ()) -> Any:
 def build_variants(model: ToyDecoder, with_patches: bool) -> dict[str, Callable[..., Any]]:
     torch._dynamo.reset()
     graphgear.reset()
-    variants: dict[str, Callable[..., Any]] = {"eager": model}
-    variants["inductor_default"] = torch.compile(copy.deepcopy(model))
-    variants["graphgear_max_autotune"] = torch.compile(
+    variants: dict[str, Callable[..., Any]] = {EAGER: model}
+    variants[TORCH_COMPILE] = torch.compile(copy.deepcopy(model))
+    variants[MAX_AUTOTUNE] = torch.compile(
         copy.deepcopy(model), backend=graphgear_backend(False))
-    variants["graphgear_max_autotune_fx_passes"] = torch.compile(
+    variants[f"{MAX_AUTOTUNE} +fx_passes"] = torch.compile(
         copy.deepcopy(model), backend=graphgear_backend(True))
-    variants["graphgear_max_autotune_fx_passes_no_attention"] = torch.compile(
+    variants[f"{MAX_AUTOTUNE} +fx_passes -attention_fusion"] = torch.compile(
         copy.deepcopy(model), backend=graphgear_backend(True, ("attention_fusion",)))
     if with_patches:
         for name, patch in (("freezing", {"freezing": True}),
@@ -66,7 +70,7 @@ def build_variants(model: ToyDecoder, with_patches: bool) -> dict[str, Callable[
             m = torch.compile(copy.deepcopy(model), backend=graphgear_backend(False))
             with torch.no_grad(), torch._inductor.config.patch(patch):
                 m(*step_inputs())  # compile under the patch
-            variants[f"graphgear_max_autotune+{name}"] = m
+            variants[f"{MAX_AUTOTUNE} +{name}"] = m
     return variants
 
 
@@ -74,7 +78,7 @@ def time_variants(variants: dict[str, Callable[..., Any]], rounds: int, iters: i
     tok, pos = step_inputs()
     samples: dict[str, list[float]] = {k: [] for k in variants}
     with torch.no_grad():
-        ref = variants["eager"](tok, pos)
+        ref = variants[EAGER](tok, pos)
         for name, fn in variants.items():
             for _ in range(3):
                 out = fn(tok, pos)
@@ -131,16 +135,18 @@ def main() -> None:
     model = ToyDecoder(DecoderConfig())
     variants = build_variants(model, args.patches)
     times = time_variants(variants, args.rounds, args.iters)
-    base = times["inductor_default"]
+    base = times[TORCH_COMPILE]
     print(f"decoder step (batch 1, 1 token, {args.threads} thread(s)), median of {args.rounds} "
           f"rounds x {args.iters} calls")
-    print(f"{'variant':44s} {'us/step':>9s} {'vs inductor':>12s}")
+    label = speedup_label(TORCH_COMPILE, direction=False)
+    print(f"{'variant':48s} {'us/step':>9s} {label:>25s}")
     for name, t in times.items():
-        print(f"{name:44s} {t * 1e6:9.1f} {t / base:11.2f}x")
+        print(f"{name:48s} {t * 1e6:9.1f} {base / t:24.2f}x")
+    print(speedup_note(TORCH_COMPILE))
     if not args.no_compile_times:
         for fx in (False, True):
             cold, warm = compile_seconds(fx)
-            print(f"graphgear max-autotune compile{' (fx_passes)' if fx else ''}: "
+            print(f"{MAX_AUTOTUNE} compile{' (fx_passes)' if fx else ''}: "
                   f"cold {cold:.1f}s, warm {warm:.1f}s")
 
 

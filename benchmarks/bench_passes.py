@@ -8,11 +8,15 @@ on, and all on but one fusion. It also prints, per variant, the joint-pass match
 and the aten op count of the graph before and after the passes.
 
     python benchmarks/bench_passes.py [--rounds 7] [--iters 200] [--threads 1]
-        [--modes max-autotune,reduce-overhead,run_eagerly]
+        [--modes max-autotune reduce-overhead run_eagerly]
+
+Each variant's speedup is vs the same mode with passes off (that time / the variant's:
+higher is better).
 
 Measured (2-core CPU shared with other jobs, torch 2.13; run-to-run noise 10-20 %):
-in max-autotune the passes are 0.87x-1.10x of passes off, in reduce-overhead 0.98x-1.23x
-(1.17-1.23x while attention still became SDPA on the CPU: that rewrite is now off there),
+in max-autotune the passes took 0.87x-1.10x the time of passes off, in reduce-overhead
+0.98x-1.23x (1.17-1.23x while attention still became SDPA on the CPU: that rewrite is now
+off there),
 i.e. no gain on the CPU, where Inductor already fuses RMSNorm, rotary and attention into
 generated code and ATen has no fused RMSNorm kernel. Ops in the graph: 198 -> 174
 (rotary) and -> 144 with SDPA under run_eagerly.
@@ -33,9 +37,11 @@ use_private_inductor_cache()  # before torch: importing torch._dynamo fixes the 
 import torch  # noqa: E402
 
 import graphgear  # noqa: E402
+from graphgear.bench.names import name_type, speedup_label  # noqa: E402
 from graphgear.bench.toy_decoder import DecoderConfig, ToyDecoder  # noqa: E402
 
 FUSIONS = ("rms_norm_fusion", "rotary_fusion", "attention_fusion")
+MODES = ("max-autotune", "reduce-overhead", "run_eagerly")
 
 
 def make(model: ToyDecoder, mode: str, fx_passes: bool, disabled: tuple[str, ...]) -> tuple[Any, dict]:
@@ -66,7 +72,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--modes", default="max-autotune,reduce-overhead,run_eagerly")
+    ap.add_argument("--modes", nargs="+", type=name_type(MODES, "mode"), default=list(MODES),
+                    help=f"space-separated, out of: {', '.join(MODES)}")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     # every variant compiles the same forward: let dynamo keep them all
@@ -78,7 +85,7 @@ def main() -> None:
     variants: dict[str, Any] = {}
     infos: dict[str, dict] = {}
     variants["eager"] = copy.deepcopy(model)
-    for mode in args.modes.split(","):
+    for mode in dict.fromkeys(args.modes):
         torch._dynamo.reset()
         specs = [("passes off", False, ()), ("fx_passes on", True, ())]
         specs += [(f"on, no {f}", True, (f,)) for f in FUSIONS]
@@ -103,8 +110,10 @@ def main() -> None:
                 samples[name].append((time.perf_counter() - t0) / args.iters)
     times = {k: statistics.median(v) for k, v in samples.items()}
     print(f"decoder step (batch 1, 1 token, {args.threads} thread(s)), median of {args.rounds} "
-          f"rounds x {args.iters} calls; ratio = time / same mode with passes off")
-    print(f"{'variant':46s} {'us/step':>8s} {'ratio':>6s}  {'ops before->after':>18s}  matches")
+          f"rounds x {args.iters} calls; {speedup_label('passes off')}: the same mode's time with "
+          "passes off / the variant's")
+    label = speedup_label("passes off", direction=False)
+    print(f"{'variant':46s} {'us/step':>8s} {label:>22s}  {'ops before->after':>18s}  matches")
     for name, t in times.items():
         mode = name.split(":")[0]
         base = times.get(f"{mode}: passes off", t)
@@ -113,7 +122,7 @@ def main() -> None:
         ops = f"{joint['nodes_before']}->{joint['nodes_after']}" if joint else "-"
         matches = {k.replace("_fusion", ""): v for k, v in joint["matches"].items()
                    if k.endswith("_fusion")} if joint else ""
-        print(f"{name:46s} {t * 1e6:8.1f} {t / base:6.2f}  {ops:>18s}  {matches}")
+        print(f"{name:46s} {t * 1e6:8.1f} {base / t:21.2f}x  {ops:>18s}  {matches}")
 
 
 if __name__ == "__main__":

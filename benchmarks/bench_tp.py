@@ -6,10 +6,12 @@
 The embedded decoder (``graphgear.bench.toy_decoder``, hidden 128, 2 layers) split over 2 ranks
 (``graphgear.bench.toy_decoder_tp``: ``megatron`` by hand, or ``dtensor`` with
 ``torch.distributed.tensor.parallel``). Contenders, each on its own copy of the split
-model: eager, ``torch.compile`` default (Inductor), graphgear ``max-autotune`` and
-``reduce-overhead``. For scale, rank 0 also times the whole model alone (1 rank, no
-collective) eager and in reduce-overhead while rank 1 waits, and both ranks time one
-gloo all-reduce of a decode step's activations (the TP model issues 2 per layer).
+model: ``eager``, ``torch.compile`` (its default, Inductor), ``graphgear-max-autotune``
+and ``graphgear-reduce-overhead``. For scale, rank 0 also times the whole model alone
+(``eager (1 rank)`` and ``graphgear-reduce-overhead (1 rank)``: no collective) while
+rank 1 waits, and both ranks time one gloo all-reduce of a decode step's activations
+(the TP model issues 2 per layer). Ratios are speedups vs eager and vs torch.compile
+(their step time / the row's: higher is better).
 
 Every contender is compiled and checked first (its logits against the 1-rank eager
 model's; ``max diff`` column), then timed in ``--rounds`` interleaved rounds with
@@ -42,20 +44,24 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
 import graphgear  # noqa: E402
 from graphgear.bench import toy_decoder_tp  # noqa: E402
+from graphgear.bench.names import CONTENDERS, positive_int, speedup_label, speedup_note  # noqa: E402
 from graphgear.bench.toy_decoder import DecoderConfig, ToyDecoder  # noqa: E402
+from graphgear.env import run_metadata  # noqa: E402
 
 WORLD = 2
-TP = ("eager", "torch.compile", "gg max-autotune", "gg reduce-overhead")
-ALONE = ("1 rank eager", "1 rank gg reduce-overhead")
+EAGER, TORCH_COMPILE, MAX_AUTOTUNE, REDUCE_OVERHEAD = CONTENDERS[:4]
+TP = (EAGER, TORCH_COMPILE, MAX_AUTOTUNE, REDUCE_OVERHEAD)
+ALONE = (f"{EAGER} (1 rank)", f"{REDUCE_OVERHEAD} (1 rank)")
+MODES = {MAX_AUTOTUNE: "max-autotune", REDUCE_OVERHEAD: "reduce-overhead"}
 
 
 def _compile(model: torch.nn.Module, name: str) -> Callable[..., Any]:
-    if name.endswith("eager"):
+    name = name.removesuffix(" (1 rank)")
+    if name == EAGER:
         return model
-    if name == "torch.compile":
+    if name == TORCH_COMPILE:
         return torch.compile(model)
-    mode = name.rsplit(" ", 1)[-1]
-    return torch.compile(model, backend="graphgear", options={"mode": mode})
+    return torch.compile(model, backend="graphgear", options={"mode": MODES[name]})
 
 
 def _logits(out: Any) -> torch.Tensor:
@@ -131,10 +137,11 @@ def _free_port() -> int:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tp", choices=("megatron", "dtensor"), default="megatron")
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
+    p.add_argument("--batch-sizes", type=positive_int, nargs="+", default=[1, 4], help="space-separated")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--json", default=None, help="also write the figures to this file")
+    p.add_argument("--json", default=None, help="also write the figures to this file, with the run's versions, "
+                                                 "threads, CPU and commit")
     args = p.parse_args()
     if args.steps < 3 or args.rounds < 1:
         p.error(f"--steps must be at least 3 (got {args.steps}) and --rounds at least 1 (got {args.rounds})")
@@ -147,18 +154,21 @@ def main() -> None:
     print(f"tensor parallel ({args.tp}) over {WORLD} gloo ranks, 1 thread each, torch {torch.__version__}; "
           f"us per decode step (median of {args.rounds} rounds x {args.steps} steps, rank 0)")
     for bsz in args.batch_sizes:
-        eager, inductor = rows[f"eager b{bsz}"], rows[f"torch.compile b{bsz}"]
+        eager, inductor = rows[f"{EAGER} b{bsz}"], rows[f"{TORCH_COMPILE} b{bsz}"]
+        se, stc = speedup_label(EAGER, direction=False), speedup_label(TORCH_COMPILE, direction=False)
         print(f"\nbatch {bsz}")
-        print(f"{'contender':<28}{'us/step':>10}{'x eager':>9}{'x torch.compile':>17}{'compile s':>11}{'max diff':>10}")
+        print(f"{'contender':<38}{'us/step':>10}{se:>18}{stc:>26}{'compile s':>11}{'max diff':>10}")
         for name in (*TP, *ALONE, "gloo all_reduce"):
             t = rows[f"{name} b{bsz}"]
             comp = res["compile_s"].get(f"{name} b{bsz}")
             diff = res["max_diff"].get(f"{name} b{bsz}")
-            print(f"{name:<28}{t * 1e6:>10.0f}{t / eager:>9.2f}{t / inductor:>17.2f}"
+            print(f"{name:<38}{t * 1e6:>10.0f}{eager / t:>17.2f}x{inductor / t:>25.2f}x"
                   f"{'' if comp is None else f'{comp:.1f}':>11}{'' if diff is None else f'{diff:.1e}':>10}")
+    print(speedup_note(EAGER, TORCH_COMPILE))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), **res}, f, indent=1)
+            json.dump({"meta": {**run_metadata(), "threads": 1, "ranks": WORLD}, "args": vars(args), **res}, f,
+                      indent=1)
 
 
 if __name__ == "__main__":

@@ -17,8 +17,8 @@ which makes every max-autotune attention count 0 here), and the RMSNorm fusion i
 allowed on the CPU (where ``_fused_rms_norm`` has no kernel of its own), so the
 counts show what the matchers find.
 
-    python benchmarks/fusion_matches.py [--models toy,llama,gpt2,qwen2]
-        [--modes run_eagerly,max-autotune] [--kinds inference,training,training-dynamic]
+    python benchmarks/fusion_matches.py [--models toy llama gpt2 qwen2]
+        [--modes run_eagerly max-autotune] [--kinds inference training training-dynamic]
 """
 
 from __future__ import annotations
@@ -38,9 +38,13 @@ from torch import nn  # noqa: E402
 
 import graphgear  # noqa: E402
 import graphgear.passes.joint as joint  # noqa: E402
+from graphgear.bench.names import name_type  # noqa: E402
 from graphgear.bench.toy_decoder import DecoderConfig, ToyDecoder  # noqa: E402
 
 FUSIONS = ("rms_norm_fusion", "rotary_fusion", "attention_fusion")
+MODELS = ("toy", "llama", "gpt2", "qwen2")
+MODES = ("run_eagerly", "max-autotune")
+KINDS = ("inference", "training", "training-dynamic")
 
 
 def _hf(which: str) -> nn.Module:
@@ -114,9 +118,10 @@ def run(which: str, mode: str, kind: str) -> tuple[dict[str, int], str, float, f
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="toy,llama,gpt2,qwen2")
-    ap.add_argument("--modes", default="run_eagerly,max-autotune")
-    ap.add_argument("--kinds", default="inference,training,training-dynamic")
+    for flag, allowed, what in (("--models", MODELS, "model"), ("--modes", MODES, "mode"),
+                                ("--kinds", KINDS, "graph kind")):
+        ap.add_argument(flag, nargs="+", type=name_type(allowed, what), default=list(allowed),
+                        help=f"space-separated, out of: {', '.join(allowed)}")
     ap.add_argument("--device-skip", action="store_true",
                     help="keep graphgear's rule: no SDPA on the CPU outside run_eagerly")
     args = ap.parse_args()
@@ -126,9 +131,9 @@ def main() -> None:
         joint.attention_skip_devices = lambda config: ()
     print(f"{'model':6s} {'mode':13s} {'graphs':17s} {'fused on':8s} {'rms':>4s} {'rope':>4s} {'attn':>4s} "
           f"{'out err':>8s} {'grad err':>8s} {'s':>5s}")
-    for which in args.models.split(","):
-        for mode in args.modes.split(","):
-            for kind in args.kinds.split(","):
+    for which in dict.fromkeys(args.models):
+        for mode in dict.fromkeys(args.modes):
+            for kind in dict.fromkeys(args.kinds):
                 t0 = time.perf_counter()
                 m, path, oe, ge = run(which, mode, kind)
                 if max(oe, ge) > 1e-4:

@@ -60,7 +60,7 @@ def speedup_label(reference: str, *, direction: bool = True) -> str:
 def speedup_note(*references: str) -> str:
     """The line under a table of speedups that says what they are."""
     labels = ", ".join(speedup_label(r) for r in references)
-    return (f"{labels}: the reference's step time / the contender's; above 1.00x the contender "
+    return (f"{labels}: the reference's time / the contender's; above 1.00x the contender "
             f"is faster")
 
 
