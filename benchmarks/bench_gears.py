@@ -60,7 +60,10 @@ def run(name: str, model: torch.nn.Module, sizes: list[int], ref: dict[int, torc
             tok = torch.full((b, 1), 3, dtype=torch.long)
             if name.startswith("graphgear"):
                 graphgear.set_dim_gears(tok, {0: GEARS})
-            out = fn(tok, torch.tensor([i % model.cfg.max_seq_len]))
+            try:
+                out = fn(tok, torch.tensor([i % model.cfg.max_seq_len]))
+            except graphgear.GraphgearError as e:  # e.g. padding refused: say so, go on with the next
+                return {"contender": name, "error": f"batch {b} (call {i + 1}): {type(e).__name__}: {e}"}
             diff = max(diff, float((out - ref[i]).abs().max()))
     total = time.perf_counter() - t0
     stats = graphgear.stats()
@@ -98,6 +101,9 @@ def main() -> None:
     print(f"64 distinct batch sizes, shuffled; graphgear gears {GEARS} with padding")
     print(f"{'contender':<30} {'graphs':>6} {'recompiles':>10} {'fallbacks':>9} {'seconds':>8} {'max diff':>9}")
     for r in rows:
+        if "error" in r:
+            print(f"{r['contender']:<30} refused, {r['error']}")
+            continue
         print(f"{r['contender']:<30} {r['graphs']:>6} {r['recompiles']:>10} {r['fallbacks']:>9} "
               f"{r['seconds']:>8.1f} {r['max_abs_diff']:>9.1e}")
 

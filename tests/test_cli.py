@@ -135,6 +135,7 @@ def test_bench_lists_are_space_separated() -> None:
     (["bench", "--batch-sizes", "1,2,4"], ["space-separated", "1 2 4"]),
     (["bench", "--batch-sizes", "a"], ["positive int", "'a'"]),
     (["bench", "--steps", "-3"], ["positive int"]),
+    (["bench", "--warmup", "-1"], ["--warmup takes 0 or more steps, got -1"]),
     (["bench", "--contenders", "gg-ma"], ["'gg-ma'", "renamed 'graphgear-max-autotune'", ", ".join(CONTENDERS)]),
     (["bench", "--contenders", "graphgear max-autotune"], ["'graphgear max-autotune'",
                                                           "renamed 'graphgear-max-autotune'"]),

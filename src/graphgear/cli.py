@@ -113,6 +113,8 @@ def _check_bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
     if args.modes is not None:
         parser.error(f"--modes is now --contenders, space-separated, out of: {', '.join(CONTENDERS)} "
                      f"(got --modes {args.modes!r})")
+    if args.warmup < 0:
+        parser.error(f"--warmup takes 0 or more steps, got {args.warmup}")
     if args.device not in ("cpu", "cuda", "npu"):
         parser.error(f"--device must be cpu, cuda or npu; got {args.device!r}")
     if args.device == "cuda" and not torch.cuda.is_available():
