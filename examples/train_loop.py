@@ -5,11 +5,12 @@
 A small classifier (embedding, two pre-norm residual MLP blocks, a linear head) is
 compiled with ``torch.compile(model, backend=graphgear.get_backend(config))`` and trained
 on one batch of random data (so the loss falls) with SGD with momentum, next to an eager
-copy trained by its own optimizer on the same batch. AOTAutograd splits each step into a forward and a backward graph; in
-``reduce-overhead`` graphgear captures both (on the CPU: its own CPU graph) and replays
-them every step, in ``max-autotune`` Inductor compiles both. After every step the loss,
-every parameter's gradient and, after the optimizer step, every parameter must equal
-eager's to fp32 rounding (asserted); ``graphgear.stats()`` is printed at the end.
+copy trained by its own optimizer on the same batch. AOTAutograd splits each step into a
+forward and a backward graph; in ``reduce-overhead`` graphgear captures both (on the CPU:
+its own CPU graph) and replays them every step, in ``max-autotune`` Inductor compiles
+both. After every step the loss, every parameter's gradient and, after the optimizer
+step, every parameter must equal eager's to fp32 rounding (asserted);
+``graphgear.stats()`` is printed at the end.
 
 Why not Adam here: its first step moves each weight by about ``lr * sign(grad)``, so a
 gradient within rounding of zero (which the compiled backward sums in another order)
