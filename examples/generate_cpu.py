@@ -98,7 +98,7 @@ def main() -> None:
         warm_s = statistics.median(s for _, s in runs[1:])
         print(f"graphgear {mode}: tokens equal eager's in all {args.requests} requests; "
               f"first request {runs[0][1]:.1f} s (compiles), then {warm_s * 1e3:.1f} ms/request "
-              f"({warm_s / eager_s:.2f}x eager's time, information only); "
+              f"(time vs eager {warm_s / eager_s:.2f}x, lower is faster; information only); "
               f"{len(graphs)} graph(s), {sum(g.compiles for g in graphs)} compile(s), "
               f"{sum(g.captures for g in graphs)} capture(s), {sum(g.replays for g in graphs)} replay(s)")
     print("ok")

@@ -91,7 +91,7 @@ def train(mode: str, steps: int) -> None:
         for (name, p), ref in zip(model.named_parameters(), eager.parameters()):
             torch.testing.assert_close(p, ref, **TOL, msg=lambda m, s=step, n=name: (
                 f"{mode}, step {s}: {n} after the optimizer step differs from eager's\n{m}"))
-        losses.append(float(loss))
+        losses.append(loss.item())
     graphs = graphgear.stats().graphs
     stages = sorted(g.stage for g in graphs)
     assert stages == ["backward", "forward"], f"{mode}: expected one forward and one backward graph\n{graphgear.stats()}"
