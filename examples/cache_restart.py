@@ -100,6 +100,7 @@ def main() -> None:
     loaded = [r["cache"] for r in second["records"]]
     assert stored == ["stored"], f"the first process should compile and store one graph, got {first['records']}"
     assert loaded == ["hit"], f"the second process should be served from the cache, got {second['records']}"
+    assert first["records"][0]["compiles"] == len(GEARS), f"expected one compile per gear, got {first['records']}"
     (hit,) = second["records"]
     assert hit["loaded_keys"] == len(GEARS), f"expected every gear loaded, got {hit}"
     assert hit["compiles"] == 0, f"the second process compiled a gear: {hit}"
