@@ -504,7 +504,8 @@ def test_stable_key() -> None:
     assert key is not None and len(key[0]) <= KEY_MAX + len("graphgear:") < len(long)
     assert long.startswith(key[0]) and long[len(key[0])] == " "
     assert stable_key([None]) is None
-    assert stable_key([None, ": ", None]) == (":",)
+    assert stable_key([None, ": ", None]) is None  # punctuation alone keys nothing
+    assert stable_key([None, " failed to compile: ", None]) == ("failed to compile:",)
 
 
 def test_source_messages_extraction(tmp_path: Path) -> None:
