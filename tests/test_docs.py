@@ -161,7 +161,8 @@ def test_api_page_covers_every_cli_command_and_option() -> None:
     sections = _sections(API_PAGE.read_text())
     lacking = []
     for command, opts in _cli_commands():
-        heading = next((h for h in sections if f"`{command}`" in h or f"`{command} " in h), None)
+        # the heading that names this command itself, not one of its sub-commands
+        heading = next((h for h in sections if re.search(rf"`{re.escape(command)}(`| -| \[)", h)), None)
         if heading is None:
             lacking.append(f"no heading for `{command}`")
             continue
@@ -173,8 +174,8 @@ def test_api_page_covers_every_cli_command_and_option() -> None:
 # --------------------------------------------------------------------------------------
 # troubleshooting: the messages in the source
 
-#: fewest literal characters a key holds when the message has that many before or
-#: between its placeholders; at most ``KEY_MAX`` (cut at a word boundary)
+#: a key's literal text: at least ``KEY_MIN`` characters where the message has them, at
+#: most ``KEY_MAX`` (see :func:`stable_key`)
 KEY_MIN, KEY_MAX = 20, 60
 #: receivers of logging calls, and the logging methods that carry a message
 _LOGGERS = {"log", "logger", "_log", "LOG", "logging"}
@@ -186,7 +187,8 @@ _PREFIX = re.compile(r"^graphgear[\w. ]*: ")
 _ERROR_CLASS = re.compile(r"^[A-Z]\w*(Error|Exception|Warning)$")
 _PERCENT = re.compile(r"%(\([^)]*\))?[-#0 +]*(\*|\d+)?(\.(\*|\d+))?[diouxXeEfFgGcrsa%]")
 
-Template = list  # of str (literal text) and None (a placeholder)
+#: a message's text: literal strings, and None for each placeholder
+Template = list[str | None]
 
 
 @dataclasses.dataclass
