@@ -205,17 +205,26 @@ class _Section:
 
 
 class GraphDumpConfig(_Section):
+    """``debug.graph_dump``: a file of each graph at each stage, ``gg_<seq>_<graph>_<stage>.<ext>``
+    (see ``graphgear.debug``)."""
+
     type = Option(None, "dump each graph at each stage: 'txt' (tabular) or 'py' (code)",
                   choices=(None, "txt", "py"))
     path = Option(".", "folder the dumps go to", check=_is_str, allowed="a non-empty path string")
 
 
 class FxSummaryConfig(_Section):
-    type = Option(None, "'csv': one row per op type, count and support", choices=(None, "csv"))
+    """``debug.fx_summary``: a CSV of each graph's ops, ``gg_<seq>_<graph>_summary.csv``, with
+    the columns ``op,count,supported,note``."""
+
+    type = Option(None, "'csv': write one row per op type: its count and whether the mode "
+                  "supports it", choices=(None, "csv"))
     path = Option(".", "folder the summaries go to", check=_is_str, allowed="a non-empty path string")
 
 
 class DebugConfig(_Section):
+    """``debug``: graph dumps, op summaries, and running the graph without compiling it."""
+
     graph_dump = GraphDumpConfig
     fx_summary = FxSummaryConfig
     run_eagerly = Option(False, "run the optimised FX graph as it is: no capture, no codegen",
@@ -223,6 +232,9 @@ class DebugConfig(_Section):
 
 
 class ExperimentalConfig(_Section):
+    """``experimental_config``: the FX passes and their switches. ``npu_fx_pass`` (TorchAir's
+    name) is an alias of ``fx_passes``."""
+
     _aliases = {"npu_fx_pass": "fx_passes"}
     fx_passes = Option(False, "joint-graph fusion passes (RMSNorm, rotary, attention)", choices=_BOOL)
     keep_inference_input_mutations = Option(True, "in-place updates of inputs stay in the graph",
@@ -274,6 +286,8 @@ def _clean_input_gears(v: Mapping[str, Mapping[int, Any]]) -> dict[str, dict[int
 
 
 class InferenceConfig(_Section):
+    """``inference_config``: gears (a fixed set of sizes per dim, one graph each) and gear padding."""
+
     dynamic_gears_merge_policy = Option("zip", "how gears of several dims combine",
                                         choices=("zip", "product"))
     gear_padding = Option(False, "pad a size up to the next gear, slice outputs back", choices=_BOOL)
@@ -291,7 +305,10 @@ def _is_pool(v: Any) -> bool:
 
 
 class CaptureConfig(_Section):
-    capture_limit = Option(64, "captured graphs per FX graph", check=_is_int(1),
+    """``capture_config``: capture and replay, in ``reduce-overhead`` mode."""
+
+    capture_limit = Option(64, "live captured graphs per FX graph; further graph keys run "
+                           "uncaptured, with one warning", check=_is_int(1),
                            allowed="an int >= 1")
     clone_input = Option(True, "copy user inputs into static buffers before replay", choices=_BOOL)
     clone_output = Option(False, "return fresh tensors instead of static outputs", choices=_BOOL)
@@ -300,9 +317,10 @@ class CaptureConfig(_Section):
                              allowed="None, graphgear.capture.MemoryPool() or a CUDA pool handle")
     reuse_pool_across_gears = Option(True, "the captures of one FX graph share memory",
                                      choices=_BOOL)
-    warmup_iters = Option(1, "uncaptured runs before capture", check=_is_int(0),
+    warmup_iters = Option(1, "uncaptured runs of each graph key before it is captured", check=_is_int(0),
                           allowed="an int >= 0")
-    fallback = Option("eager", "what a graph that cannot be captured does", choices=("eager", "raise"))
+    fallback = Option("eager", "what a graph that cannot be captured does: 'eager' runs it "
+                      "uncaptured (one warning), 'raise' raises graphgear.CaptureError", choices=("eager", "raise"))
 
 
 class CompilerConfig(_Section):
@@ -313,7 +331,9 @@ class CompilerConfig(_Section):
     >>> config.capture_config.capture_limit = 16
     """
 
-    mode = Option("max-autotune", "whole-graph compilation or capture and replay",
+    mode = Option("max-autotune", "'max-autotune': Inductor compiles the whole graph; 'reduce-overhead': the "
+                  "compiled graph is also captured into a device graph (CUDA, NPU, or "
+                  "graphgear's CPU graph) and replayed",
                   choices=("max-autotune", "reduce-overhead"))
     debug = DebugConfig
     experimental_config = ExperimentalConfig
