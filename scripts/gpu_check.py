@@ -92,7 +92,7 @@ def bench(steps: int, batch: int) -> bool:
     e, t, g = res["eager"][0], res["torch-ro"][0], res["graphgear"][0]
     print(f"\ndecoder step on {torch.cuda.get_device_name()}, batch {batch}")
     print(f"{'':34s}{'us/step':>10s}{'vs eager':>10s}{'vs torch-ro':>13s}")
-    for label, v in (("eager", e), ("torch.compile reduce-overhead", t), ("graphgear reduce-overhead", g)):
+    for label, v in (("eager", e), ("torch.compile reduce-overhead", t), ("graphgear-reduce-overhead", g)):
         print(f"{label:34s}{v * 1e6:10.1f}{v / e:10.2f}{v / t:13.2f}")
     rec = [r for r in graphgear.stats().graphs if r.mode == "reduce-overhead"][-1]
     print(f"graphgear: captures={rec.captures} replays={rec.replays} fallbacks={rec.fallbacks}")
