@@ -307,8 +307,25 @@ def _is_pool(v: Any) -> bool:
 class CaptureConfig(_Section):
     """``capture_config``: capture and replay, in ``reduce-overhead`` mode."""
 
+    mode = Option("full_and_piecewise", "'full': each graph key is captured whole, or (an op "
+                  "that cannot be captured) not at all; 'piecewise': each graph is cut at its "
+                  "split nodes (split_ops, and with split_uncapturable the ops a device graph "
+                  "cannot hold) and the pieces between them are captured, the split nodes run "
+                  "uncaptured between the replays; 'full_and_piecewise': graphs with no split "
+                  "node are captured whole, the others in pieces",
+                  choices=("full", "piecewise", "full_and_piecewise"))
+    split_ops = Option((), "ops the graph is cut at (mode 'piecewise' or 'full_and_piecewise'): "
+                       "aten overloads or packets ('aten._scaled_dot_product_flash_attention_for_cpu') "
+                       "or custom ops ('mylib::paged_attention'); each runs uncaptured between "
+                       "captured pieces, and a Python int only they read is no part of the graph key",
+                       check=_is_names, allowed="a tuple or list of op names", convert=tuple)
+    split_uncapturable = Option(True, "an op a device graph cannot hold (.item(), a data-dependent "
+                                "shape, random numbers on the CPU) becomes a split node instead of "
+                                "sending the whole graph to fallback (not in mode 'full')",
+                                choices=_BOOL)
     capture_limit = Option(64, "live captured graphs per FX graph; further graph keys run "
-                           "uncaptured, with one warning", check=_is_int(1),
+                           "uncaptured, with one warning (a piecewise graph counts its pieces)",
+                           check=_is_int(1),
                            allowed="an int >= 1")
     clone_input = Option(True, "copy user inputs into static buffers before replay", choices=_BOOL)
     clone_output = Option(False, "return fresh tensors instead of static outputs", choices=_BOOL)

@@ -51,13 +51,24 @@ class GraphRecord:
     cache_reason: str = ""  # graphgear.cache: why a graph is "unsupported" or "refused"
     loaded_keys: int = 0  # graphgear.cache: graph keys whose compiled code was loaded, not compiled
     cache_load_seconds: float = 0.0  # graphgear.cache: seconds to check and load the entry (hits)
+    # piecewise capture (capture_config.mode): the captured pieces (``capture.pieces.PieceRecord``:
+    # name, ops, captures, replays, ... of each; this record's counters count pieces), and
+    # the ops it is split at, with why
+    pieces: list[Any] = dataclasses.field(default_factory=list)
+    splits: list[tuple[str, str]] = dataclasses.field(default_factory=list)
 
     def add_fallback(self, op: str, reason: str) -> None:
         if (op, reason) not in self.fallbacks:
             self.fallbacks.append((op, reason))
 
+    def add_split(self, op: str, reason: str) -> None:
+        if (op, reason) not in self.splits:
+            self.splits.append((op, reason))
+
     def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(dataclasses.replace(self, pieces=[]))
+        out["pieces"] = [p.as_dict() for p in self.pieces]
+        return out
 
 
 class Stats:
@@ -76,11 +87,12 @@ class Stats:
 
     def __str__(self) -> str:
         cols = ["name", "stage", "mode", "gears", "compiles", "captures", "replays", "rebinds",
-                "uncaptured", "fallbacks", "compile_s", "pool_bytes", "cache"]
+                "uncaptured", "pieces", "fallbacks", "compile_s", "pool_bytes", "cache"]
         rows = [
             [g.name, g.stage, g.mode, str(len(g.gears)) if g.gears else "-", str(g.compiles),
              str(g.captures) + (f" ({g.recaptures} moved)" if g.recaptures else ""),
              str(g.replays), str(g.rebinds), str(g.uncaptured_runs),
+             (f"{len(g.pieces)} (split at " + ", ".join(op for op, _ in g.splits) + ")") if g.pieces else "-",
              "; ".join(f"{op}: {why}" for op, why in g.fallbacks) or "-",
              f"{g.compile_seconds:.3f}", str(g.pool_bytes), g.cache or "-"]
             for g in self.graphs

@@ -36,6 +36,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake
 # dynamo/AOTAutograd, 2.11 to 2.14). If it moved, graphgear could not flatten a graph's
 # outputs for Inductor or the arguments of an op it inlines. ``pytree.tree_flatten`` /
 # ``tree_unflatten`` are all graphgear uses.
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils import _pytree as pytree
 
 __all__ = [
@@ -125,3 +126,14 @@ def set_backed_size_oblivious(value: bool) -> None:
     from torch.fx.experimental import _config
 
     _config.backed_size_oblivious = value
+
+
+def fake_values(gm: torch.fx.GraphModule, example_inputs: Any) -> None:
+    """Set every node's ``meta["val"]`` by running ``gm`` on fake copies of
+    ``example_inputs`` (in their fake mode, or a new one)."""
+    mode = detect_fake_mode(example_inputs) or FakeTensorMode(allow_non_fake_inputs=True)
+    prop = FakeTensorProp(gm, mode)
+    if all(not isinstance(a, torch.Tensor) or isinstance(a, FakeTensor) for a in example_inputs):
+        prop.propagate_dont_convert_inputs(*example_inputs)
+    else:
+        prop.propagate(*example_inputs)

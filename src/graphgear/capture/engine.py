@@ -31,6 +31,7 @@ from .entry import DATA_PTR, Entry, InputRoles, getter, same_memory, static_buff
 from .executor import Executor, parameters_of
 from .failures import capture_failed, stale_message, warn_safe_mode
 from .group import CaptureGroup
+from .pool import MemoryPool
 from .rules import find_collectives
 
 if TYPE_CHECKING:
@@ -51,7 +52,7 @@ class CaptureEngine:
 
     def __init__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: CompileContext, *,
                  executor: Executor, kind: DeviceKind, device: torch.device, group: CaptureGroup,
-                 native_warmup: bool = False) -> None:
+                 native_warmup: bool = False, pool: MemoryPool | None = None) -> None:
         self.gm = gm
         self.executor = executor
         self.kind = kind
@@ -65,7 +66,9 @@ class CaptureEngine:
         self.device = device
         cc = self.cc = ctx.config.capture_config
         self.group = group
-        self.pool = group.pool_for(cc, ctx.record.name)
+        # a piece of a piecewise graph: memory of its own (shared with that piece of the
+        # graph's other keys), so that it never writes where another piece's outputs lie
+        self.pool = pool if pool is not None else group.pool_for(cc, ctx.record.name)
         roles = InputRoles.of(example_inputs, stage=ctx.stage, static_inputs=ctx.static_inputs,
                               mutated_inputs=ctx.mutated_inputs, clone_input=cc.clone_input)
         self.static_idx, self.mutated_idx, self.copy_idx = roles.static, roles.mutated, roles.copied

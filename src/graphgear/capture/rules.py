@@ -22,6 +22,7 @@ from ..debug import op_key
 log = logging.getLogger(__name__)
 
 __all__ = ["COLLECTIVE_NAMESPACES", "UNCAPTURABLE", "find_collectives", "find_uncapturable", "graph_device",
+           "node_uncapturable",
            "warn"]
 
 #: ops a device graph cannot replay faithfully, with the reason (``stats()`` shows it)
@@ -74,31 +75,38 @@ def find_uncapturable(gm: fx.GraphModule, device: torch.device) -> list[tuple[st
     """``(op, reason)`` for every op of ``gm`` a ``device`` graph cannot hold."""
     found: list[tuple[str, str]] = []
     for n in gm.graph.nodes:
-        if n.op != "call_function":
-            continue
-        key = op_key(n.target)
-        reason = UNCAPTURABLE.get(key)
-        if reason is None and key in _CONTROL_FLOW:
-            reason = "control flow that depends on the data: a graph replays one fixed path"
-        if reason is None and key in _EFFECTS and device.type != "cpu":
-            reason = (f"an op with a host side effect ({n.args[1] if len(n.args) > 1 else key}): "
-                      f"a {device.type.upper()} graph replays only device work")
+        reason = node_uncapturable(n, device)
         if reason is not None:
-            # CUDA graphs replay RNG safely: the generator's offset advances per replay.
-            if not (device.type == "cuda" and reason.startswith("random numbers")):
-                found.append((key, reason))
-            continue
-        val = n.meta.get("val")
-        try:
-            if val is not None and free_unbacked_symbols(val):
-                found.append((key, "output shape depends on the data"))
-                continue
-        except Exception:
-            pass
-        if device.type != "cpu" and isinstance(val, torch.Tensor) and val.device.type == "cpu" \
-                and val.numel() != 1:
-            found.append((key, f"runs on the CPU inside a {device.type.upper()} graph"))
+            found.append((op_key(n.target), reason))
     return found
+
+
+def node_uncapturable(n: fx.Node, device: torch.device) -> str | None:
+    """Why a ``device`` graph cannot hold node ``n``, or None where it can."""
+    if n.op != "call_function":
+        return None
+    key = op_key(n.target)
+    reason = UNCAPTURABLE.get(key)
+    if reason is None and key in _CONTROL_FLOW:
+        reason = "control flow that depends on the data: a graph replays one fixed path"
+    if reason is None and key in _EFFECTS and device.type != "cpu":
+        reason = (f"an op with a host side effect ({n.args[1] if len(n.args) > 1 else key}): "
+                  f"a {device.type.upper()} graph replays only device work")
+    if reason is not None:
+        # CUDA graphs replay RNG safely: the generator's offset advances per replay.
+        if device.type == "cuda" and reason.startswith("random numbers"):
+            return None
+        return reason
+    val = n.meta.get("val")
+    try:
+        if val is not None and free_unbacked_symbols(val):
+            return "output shape depends on the data"
+    except Exception:
+        pass
+    if device.type != "cpu" and isinstance(val, torch.Tensor) and val.device.type == "cpu" \
+            and val.numel() != 1:
+        return f"runs on the CPU inside a {device.type.upper()} graph"
+    return None
 
 
 def warn(msg: str) -> None:

@@ -12,28 +12,37 @@ count) and, with ``frozen_parameter``, the copies of its frozen weights.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 from torch import fx
 
+from .. import debug
+from .._torch.fx import fake_values
 from ..capture import (
     CaptureEngine,
     CaptureGroup,
     Executor,
     UncapturedGraph,
     device_kind,
-    find_uncapturable,
     graph_device,
 )
+from ..capture.devices import DeviceKind
 from ..capture.entry import InputRoles
+from ..capture.pieces import PiecewiseGraph, piece_record, run_as_is
+from ..capture.pool import MemoryPool
 from ..capture.rules import warn
+from ..capture.split import SplitPoints, split_graph, split_op_names, split_points
 from ..context import CompileContext
 from ..cpu import kernels
 from ..cpu.frozen import FrozenCopies
-from ..errors import CaptureError
+from ..debug import op_key
+from ..errors import CaptureError, ConfigError
+from ..inputs import mutated_placeholders
 from .executors import FrozenExecutor, native_code
 from .inductor import compile_static
 
@@ -49,23 +58,40 @@ class ReduceOverheadCompiler:
         self.group = CaptureGroup.for_graph(ctx.record.name)
         # the copies of frozen weights: the backend's (shared by its graphs), else this graph's
         self.copies = ctx.frozen_copies if ctx.frozen_copies is not None else FrozenCopies()
+        # piecewise capture: each piece's memory, shared by that piece of every key
+        self.piece_pools: dict[int, MemoryPool] = {}
+        cc = ctx.config.capture_config
+        if cc.mode == "full" and cc.split_ops:
+            raise ConfigError(
+                f"graphgear: capture_config.split_ops={list(cc.split_ops)!r} needs capture_config.mode "
+                f"'piecewise' or 'full_and_piecewise', got mode='full' (which captures each graph "
+                f"whole). Set capture_config.mode='piecewise', or leave split_ops empty."
+            )
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: CompileContext) -> Callable[..., Any]:
-        """A boxed callable that captures and replays ``gm``, or (``fallback="eager"``)
-        runs a graph that cannot be captured as it is.
+        """A boxed callable that captures and replays ``gm`` (whole, or in pieces:
+        ``capture_config.mode``), or (``fallback="eager"``) runs a graph that cannot be
+        captured as it is.
 
         ``ctx.loaded`` (the compile cache): the key's Inductor code, stored by a first
         process that captured it; the engine captures that code (no decomposition, no
         Inductor compile) and ``gm`` (then possibly the dynamic graph) only runs its
         warm-up. With ``ctx.artifacts`` and ``ctx.key``, the code compiled here is
-        recorded there."""
+        recorded there (a piecewise graph's pieces are not: they compile again)."""
         device = graph_device(example_inputs)
-        blocked = find_uncapturable(gm, device) if ctx.loaded is None else []
-        if blocked:
-            return _uncapturable(gm, ctx, device, blocked)
-        kind = device_kind(device, ctx.record.name)
+        if ctx.loaded is None:
+            points = _split_points(gm, device, ctx)
+            if points.blocked:
+                return _uncapturable(gm, ctx, device, points.blocked)
+            if points.nodes:
+                return self._piecewise(gm, example_inputs, ctx, device, points)
+        return self._engine(gm, example_inputs, ctx, device, device_kind(device, ctx.record.name))
+
+    def _engine(self, gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: CompileContext,
+                device: Any, kind: DeviceKind, pool: MemoryPool | None = None) -> CaptureEngine:
+        """The capture engine of one static graph (a whole graph key, or one piece)."""
         engine = functools.partial(CaptureEngine, gm, example_inputs, ctx, kind=kind, device=device,
-                                   group=self.group)
+                                   group=self.group, pool=pool)
         if ctx.loaded is not None:
             kernels.register_lowerings()  # the stored code may call graphgear's kernels
             return engine(executor=Executor(kind.code(ctx.loaded.code, gm, ctx.record.name)),
@@ -88,6 +114,70 @@ class ReduceOverheadCompiler:
         if compiled is not None and ctx.artifacts is not None and ctx.key is not None:
             ctx.artifacts.record(ctx.key, "static", compiled)
         return engine(executor=Executor(kind.code(compiled, gm, ctx.record.name)))
+
+    def _piecewise(self, gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: CompileContext,
+                   device: Any, points: SplitPoints) -> PiecewiseGraph:
+        """``gm`` cut at ``points``: an engine per captured piece, the split nodes run as
+        they are between them (:mod:`graphgear.capture.pieces`)."""
+        kind = device_kind(device, ctx.record.name)
+        for op, why in points.why:
+            ctx.record.add_split(op, why)
+        segments = split_graph(gm, set(points.nodes))
+        placeholders = list(gm.graph.find_nodes(op="placeholder"))
+        index = {p: i for i, p in enumerate(placeholders)}
+        _fill_values(gm, example_inputs, [a for seg in segments for a in seg.inputs if a not in index])
+        static = set(ctx.static_inputs)
+        runs: list[Callable[[list[Any]], Any]] = []
+        piece = 0
+        for seg in segments:
+            if not seg.captured:
+                runs.append(run_as_is(seg))
+                continue
+            rec = piece_record(ctx.record, piece, seg.ops)
+            pctx = dataclasses.replace(
+                ctx, record=rec, input_names=[a.name for a in seg.inputs],
+                static_inputs=[j for j, a in enumerate(seg.inputs) if index.get(a) in static],
+                mutated_inputs=mutated_placeholders(seg.gm), caller_outputs=None, artifacts=None, key=None)
+            debug.dump_graph(seg.gm, ctx.config, rec.name, "piece")
+            pool = self.piece_pools.setdefault(piece, MemoryPool(name=rec.name))
+            examples = [example_inputs[index[a]] if a in index else a.meta["val"] for a in seg.inputs]
+            runs.append(self._engine(seg.gm, examples, pctx, device, kind, pool=pool))
+            piece += 1
+        log.info("graphgear: %s (%s) captured in %d pieces, split at %s", ctx.record.name, ctx.stage,
+                 piece, ", ".join(op for op, _ in points.why))
+        return PiecewiseGraph(gm, segments, runs, warmup_calls=ctx.config.capture_config.warmup_iters + 1)
+
+
+def _split_points(gm: fx.GraphModule, device: Any, ctx: CompileContext) -> SplitPoints:
+    """Where ``gm`` is cut (``capture_config.mode``): nowhere in ``'full'`` (what cannot be
+    captured then blocks the whole graph); at every ``split_ops`` node in ``'piecewise'``;
+    in ``'full_and_piecewise'`` only at those that read a Python int of the call (a split
+    op whose arguments the graph key fixes is captured with the rest). Ops a device graph
+    cannot hold are cut at in both (``split_uncapturable``)."""
+    cc = ctx.config.capture_config
+    if cc.mode == "full":
+        return split_points(gm, device, split_ops=(), split_uncapturable=False)
+    points = split_points(gm, device, split_ops=cc.split_ops, split_uncapturable=cc.split_uncapturable)
+    if cc.mode == "full_and_piecewise" and cc.split_ops:
+        listed = split_op_names(cc.split_ops)
+        for n in [n for n in points.nodes if op_key(n.target) in listed and not _reads_call_int(n)]:
+            points.nodes.discard(n)
+        kept = {op_key(n.target) for n in points.nodes}
+        points.why = [(op, why) for op, why in points.why if op in kept]
+    return points
+
+
+def _reads_call_int(n: fx.Node) -> bool:
+    """Whether ``n`` reads a Python-int input of the graph (one the graph key leaves free)."""
+    return any(a.op == "placeholder" and not isinstance(a.meta.get("val"), torch.Tensor)
+               for a in n.all_input_nodes)
+
+
+def _fill_values(gm: fx.GraphModule, example_inputs: Sequence[Any], needed: Sequence[fx.Node]) -> None:
+    """Give ``needed`` nodes their example value (``meta["val"]``) where a pass left none."""
+    if all("val" in n.meta for n in needed):
+        return
+    fake_values(gm, example_inputs)
 
 
 def _uncapturable(gm: fx.GraphModule, ctx: CompileContext, device: Any,
