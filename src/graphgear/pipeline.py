@@ -15,6 +15,7 @@ from torch import fx
 
 from . import debug
 from ._torch.aot import aot_forward_returns, aot_tangents, is_boxed, make_boxed_func
+from .capture.split import rewire_split_ints, split_int_inputs
 from .compilers import MODE_COMPILERS, op_support
 from .config import mode_of
 from .context import CompileContext
@@ -168,7 +169,8 @@ def _compile_by_shape(
     key; run_eagerly runs the dynamic graph. Gears are checked (and padded) in every mode.
     """
     compiler = MODE_COMPILERS[mode](ctx)
-    info = ShapeInfo(gm)
+    split_ints = _split_ints(gm, ctx, mode)
+    info = ShapeInfo(gm, pinned_args=split_ints)
     if not info.is_dynamic:
         return compiler(gm, example_inputs, ctx.for_key((), _stored(ctx, mode, ())))
     plan = None
@@ -203,6 +205,7 @@ def _compile_by_shape(
                 log.info("graphgear: %s key %s loaded from the compile cache", ctx.record.name, key)
                 return fn
             static_gm, static_inputs = specialize(gm, info, key)
+            rewire_split_ints(static_gm, gm, split_ints, ctx.config.capture_config.split_ops)
             static_pass_manager(ctx.config).run(static_gm, static_inputs, ctx.config, ctx.record)
             fn = _convention(compiler(static_gm, static_inputs, ctx.for_key(key)), boxed=True)
             ctx.record.compiles += 1
@@ -219,13 +222,23 @@ def _compile_by_shape(
     return _dispatch(gm, facts, keyed, padding=ctx.config.inference_config.gear_padding)
 
 
+def _split_ints(gm: fx.GraphModule, ctx: CompileContext, mode: str) -> list[int]:
+    """The Python-int inputs of ``gm`` that only piecewise capture's split nodes read
+    (:func:`~graphgear.capture.split.split_int_inputs`): no part of the graph key."""
+    cc = ctx.config.capture_config
+    if mode != "reduce-overhead" or cc.mode == "full" or not cc.split_ops or ctx.stage == "backward":
+        return []
+    return split_int_inputs(gm, cc.split_ops)
+
+
 def _facts(gm: fx.GraphModule, info: ShapeInfo, plan: GearPlan | None, ctx: CompileContext, *,
            per_key: bool, tangents: Sequence[int]) -> GraphFacts:
     """What the dispatch of dynamic graph ``gm`` needs to know of it."""
     value_only, value_outputs = _value_only(gm, info, plan) if per_key else ([], [])
     geared = set(plan.sym_gears) if plan is not None else set()
     # Python ints that reach tensor values: past a few values, run the graph as it is
-    scalars = [i for i in scalar_symbols(info) if i not in geared and i not in value_only] if per_key else []
+    scalars = [i for i in scalar_symbols(info) if i not in geared and i not in value_only
+               and i not in info.pinned] if per_key else []
     return GraphFacts(
         info=info, plan=plan, record=ctx.record, mutated=tuple(ctx.mutated_inputs),
         # training: a padded forward returns the caller's outputs sliced and keeps the

@@ -18,7 +18,7 @@ import sympy
 import torch
 from torch import fx
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.fx.experimental.symbolic_shapes import ShapeEnv, statically_known_true
+from torch.fx.experimental.symbolic_shapes import ShapeEnv, guarding_hint_or_throw, statically_known_true
 
 from ._torch.fx import FakeTensor, FakeTensorMode, tracing, unset_fake_temporarily
 
@@ -49,7 +49,10 @@ class _Loc:
 class ShapeInfo:
     """Where each free symbol of ``gm`` can be read from the run-time arguments."""
 
-    def __init__(self, gm: fx.GraphModule) -> None:
+    def __init__(self, gm: fx.GraphModule, pinned_args: Sequence[int] = ()) -> None:
+        """``pinned_args``: Python-int placeholders whose symbols the key holds at their
+        example value, whatever the call passes (piecewise capture's split ints: only
+        uncaptured split nodes read them, at their value of the call)."""
         self.placeholders = list(gm.graph.find_nodes(op="placeholder"))
         self.vals = [p.meta.get("val") for p in self.placeholders]
         self.symbols: list[sympy.Symbol] = []
@@ -61,6 +64,8 @@ class ShapeInfo:
             else:
                 for d, e in sym_dims(v):
                     self._note(e, _Loc(i, d), seen)
+        self.pinned = {i: int(guarding_hint_or_throw(self.vals[loc.arg])) for i, loc in enumerate(self.locs)
+                       if loc.dim is None and loc.arg in set(pinned_args)}
         # Symbols that only occur inside expressions (s0*s1) cannot be read directly.
         self.unreadable = sorted(
             {str(s) for v in self.vals for s in _free_symbols(v)} - {str(s) for s in seen}
@@ -77,10 +82,14 @@ class ShapeInfo:
         return bool(self.symbols)
 
     def key(self, args: Sequence[Any]) -> tuple[int, ...]:
-        """The concrete value of every symbol, read from ``args``."""
-        return tuple(
+        """The concrete value of every symbol, read from ``args`` (a pinned one: its
+        example value)."""
+        key = tuple(
             int(args[loc.arg]) if loc.dim is None else args[loc.arg].shape[loc.dim] for loc in self.locs
         )
+        if self.pinned:
+            return tuple(self.pinned.get(i, v) for i, v in enumerate(key))
+        return key
 
     def symbol_at(self, arg: int, dim: int) -> sympy.Symbol | None:
         """The symbol of ``args[arg].shape[dim]`` if that dim is a plain symbol."""

@@ -100,6 +100,8 @@ def node_uncapturable(n: fx.Node, device: torch.device) -> str | None:
     val = n.meta.get("val")
     try:
         if val is not None and free_unbacked_symbols(val):
+            if isinstance(val, torch.SymInt | torch.SymFloat | torch.SymBool):
+                return "computes with a value read back to the host (.item())"
             return "output shape depends on the data"
     except Exception:
         pass

@@ -24,7 +24,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from ..debug import op_key
 from .rules import find_uncapturable, node_uncapturable
 
-__all__ = ["SplitPoints", "Segment", "rewire_split_ints", "split_graph", "split_int_inputs",
+__all__ = ["SplitPoints", "Segment", "is_split_op", "rewire_split_ints", "split_graph", "split_int_inputs",
            "split_op_names", "split_points"]
 
 #: uncapturable reasons a split cannot serve: the graph itself changes with the data
@@ -43,6 +43,17 @@ def split_op_names(names: Iterable[str]) -> set[str]:
         if len(parts) >= 3:  # an overload named: match its packet too
             out.add(".".join(parts[:2]))
     return out
+
+
+def is_split_op(config: Any, target: Any) -> bool:
+    """Whether ``config`` (reduce-overhead, piecewise) cuts graphs at op ``target``:
+    graphgear's passes then leave its nodes as they are, so the cut finds them."""
+    cc = config.capture_config
+    if config.mode != "reduce-overhead" or cc.mode == "full" or not cc.split_ops:
+        return False
+    keys = split_op_names(cc.split_ops)
+    key = op_key(target)
+    return key in keys or f"{key}.{getattr(target, '_overloadname', '')}" in keys
 
 
 def _matches(node: fx.Node, keys: set[str]) -> bool:

@@ -51,6 +51,7 @@ import torch
 from torch import fx
 
 from .._torch.inductor_passes import inductor_decomp_table, inductor_realize
+from ..capture.split import is_split_op
 from ..config import mode_of
 from ..cpu.kernels import decode_attention_kernel as attention_kernel
 from ..shapes import known_equal
@@ -186,8 +187,8 @@ class DecodeAttention(GraphPass):
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], config: Any) -> int:
         target = cpu_flash_attention()
-        if target is None:
-            return 0
+        if target is None or is_split_op(config, target):
+            return 0  # (a split op of piecewise capture runs as it is)
         # a graph re-traced for one gear has a getitem for every output of the tuple,
         # used or not: drop the unused ones (pure) so "only the output is used" can hold
         for n in list(gm.graph.find_nodes(op="call_function", target=operator.getitem)):
