@@ -173,11 +173,15 @@ def _options_keys() -> list[str]:
             lines.append(f"| `{leaf}` | `{leaves[leaf][0]}` |")
     for alias, target in sorted(_aliases().items()):
         lines.append(f"| `{alias}` (alias) | `{target}` |")
-    ambiguous = sorted(leaf for leaf, ps in leaves.items() if len(ps) > 1)
+    ambiguous = sorted(leaf for leaf, ps in leaves.items() if len(ps) > 1 and leaf not in ps)
     if ambiguous:
         lines += ["", "These names are shared by several options and need the full path: "
                   + "; ".join(f"`{leaf}` ({', '.join(f'`{p}`' for p in leaves[leaf])})"
                               for leaf in ambiguous) + "."]
+    shadowed = sorted(leaf for leaf, ps in leaves.items() if len(ps) > 1 and leaf in ps)
+    for leaf in shadowed:
+        others = ", ".join(f"`{p}`" for p in leaves[leaf] if p != leaf)
+        lines += ["", f"`{leaf}` is the top-level option `{leaf}`; {others} needs its full path."]
     modes = ", ".join(f"`{k!r}` sets `mode` to `{v!r}`" if v else f"`{k!r}` keeps the config's mode"
                       for k, v in _TORCH_MODES.items())
     lines += [

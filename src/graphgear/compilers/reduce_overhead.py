@@ -187,15 +187,26 @@ def _uncapturable(gm: fx.GraphModule, ctx: CompileContext, device: Any,
     for op, reason in blocked:
         ctx.record.add_fallback(op, reason)
     listing = "; ".join(f"{op}: {reason}" for op, reason in blocked)
-    if ctx.config.capture_config.fallback == "raise":
+    ops = ", ".join(dict.fromkeys(op for op, _ in blocked))
+    cc = ctx.config.capture_config
+    if all(reason.startswith("control flow") for _, reason in blocked):
+        # a cut cannot serve an op whose graph changes with the data
+        hint = f"{ops} changes the graph with the data, so no split can keep the rest captured"
+    elif cc.mode == "full":
+        hint = (f"capture_config.mode='full_and_piecewise' (the default) runs {ops} uncaptured "
+                f"between captured pieces instead")
+    else:
+        hint = (f"capture_config.split_uncapturable=True (or split_ops=[{ops!r}]) runs {ops} "
+                f"uncaptured between captured pieces instead")
+    if cc.fallback == "raise":
         raise CaptureError(
             f"graphgear: {ctx.record.name} ({ctx.stage}) cannot be captured into a "
             f"{device.type} graph: {listing}. capture_config.fallback='raise' forbids running "
-            f"it uncaptured; set fallback='eager', or move the op out of the compiled region."
+            f"it uncaptured; {hint}, or set fallback='eager', or move the op out of the compiled region."
         )
     warn(
         f"graphgear: {ctx.record.name} ({ctx.stage}) cannot be captured into a {device.type} "
-        f"graph ({listing}); it runs uncaptured (fallback='eager'). Move the op out of the "
-        f"compiled region to capture the rest, or set fallback='raise' to make this an error."
+        f"graph ({listing}); the whole graph runs uncaptured (fallback='eager'). {hint[0].upper()}{hint[1:]}; "
+        f"or move the op out of the compiled region, or set fallback='raise' to make this an error."
     )
     return UncapturedGraph(gm, ctx.record)
