@@ -320,8 +320,9 @@ def _rand_graph() -> torch.fx.GraphModule:
 def test_uncapturable_falls_back_to_eager_with_reason(make: object, op: str) -> None:
     config = graphgear.CompilerConfig()
     config.mode = "reduce-overhead"
+    config.capture_config.split_uncapturable = False  # no piecewise cut: the whole graph falls back
     gm = make()  # type: ignore[operator]
-    with pytest.warns(UserWarning, match=op):
+    with pytest.warns(UserWarning, match=rf"{op}.*split_uncapturable=True"):
         fn = graphgear.get_compiler(config)(gm, [torch.zeros(3)])
     x = torch.tensor([0.0, 1.0, 2.0])
     out = fn(x)
@@ -336,16 +337,17 @@ def test_uncapturable_raises_with_fallback_raise() -> None:
     config = graphgear.CompilerConfig()
     config.mode = "reduce-overhead"
     config.capture_config.fallback = "raise"
-    with pytest.raises(graphgear.CaptureError, match="aten.nonzero.*data"):
+    config.capture_config.mode = "full"  # captured whole or not at all
+    with pytest.raises(graphgear.CaptureError, match="aten.nonzero.*data.*mode='full_and_piecewise'"):
         graphgear.get_compiler(config)(_nonzero_graph(), [torch.zeros(3)])
 
 
 @torch.no_grad()
-def test_item_in_graph_falls_back() -> None:
+def test_item_in_graph_falls_back_without_a_split() -> None:
     def fn(x: torch.Tensor) -> torch.Tensor:
         return x * x.sum().long().item()
 
-    f = torch.compile(fn, backend=_ro(), fullgraph=True)
+    f = torch.compile(fn, backend=_ro(split_uncapturable=False), fullgraph=True)
     with torch._dynamo.config.patch(capture_scalar_outputs=True), \
             pytest.warns(UserWarning, match="_local_scalar_dense"):
         out = f(torch.ones(3))
@@ -645,12 +647,13 @@ def _fake_cuda_graph_class() -> type:
 def test_cuda_graph_life_cycle_with_a_fake_device(monkeypatch: pytest.MonkeyPatch) -> None:
     import dataclasses
 
-    from graphgear.capture import devices
+    from graphgear.capture import devices, split
     from graphgear.compilers import reduce_overhead as capture
 
     fake = _fake_cuda_graph_class()
     monkeypatch.setattr(capture, "graph_device", lambda inputs: torch.device("cuda"))
-    monkeypatch.setattr(capture, "find_uncapturable", lambda gm, device: [])
+    # the graph's ops run on the CPU: on a real CUDA device they would be split points
+    monkeypatch.setattr(split, "node_uncapturable", lambda node, device: None)
     monkeypatch.setattr(devices, "DEVICE_KINDS",
                         {**devices.DEVICE_KINDS, "cuda": dataclasses.replace(devices.DEVICE_KINDS["cuda"], graph=fake)})
     torch.manual_seed(0)

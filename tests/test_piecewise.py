@@ -1,0 +1,273 @@
+"""Piecewise capture (``capture_config.mode``, ``split_ops``, ``split_uncapturable``):
+graphs cut at split nodes, the pieces captured and replayed, the split nodes run between
+them; every result checked against eager PyTorch."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+
+import graphgear
+from tests.helpers import assert_close, run_threads
+from tests.helpers import last_record as _rec
+from tests.helpers import make_backend as _ro
+from tests.models.piecewise import WINDOW_SUM, Attention, CachedWindowNet, WindowNet
+
+pytestmark = pytest.mark.inductor
+
+FLASH = "aten._scaled_dot_product_flash_attention_for_cpu"
+
+
+def _counts(rec: graphgear.stats.GraphRecord) -> list[tuple[int, int]]:
+    return [(p.captures, p.replays) for p in rec.pieces]
+
+
+def _noisy(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    h = (x + 1).sin()
+    return h * 2, h + torch.randn_like(h)
+
+
+@torch.no_grad()
+def test_random_op_is_a_split_point_by_default() -> None:
+    f = torch.compile(_noisy, backend=_ro())
+    x = torch.randn(16)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="graphgear")  # a split is no fallback: no warning
+        outs = [tuple(t.clone() for t in f(x)) for _ in range(4)]
+    want = (x + 1).sin() * 2
+    for det, _ in outs:
+        assert_close(det, want)
+    noise = [n - (x + 1).sin() for _, n in outs]
+    assert all(not torch.equal(noise[0], n) for n in noise[1:]), "replay repeated the captured draw"
+    r = _rec()
+    assert [op for op, _ in r.splits] == ["aten.randn_like"] and r.fallbacks == []
+    assert len(r.pieces) == 2 and _counts(r) == [(1, 2), (1, 2)]  # a warm-up run, a capture, replays
+
+
+@torch.no_grad()
+def test_split_uncapturable_false_sends_the_graph_to_fallback_with_a_hint() -> None:
+    f = torch.compile(_noisy, backend=_ro(split_uncapturable=False))
+    with pytest.warns(UserWarning, match=r"aten.randn_like.*split_uncapturable=True"):
+        f(torch.randn(16))
+    r = _rec()
+    assert r.pieces == [] and r.captures == 0 and [op for op, _ in r.fallbacks] == ["aten.randn_like"]
+
+
+@torch.no_grad()
+def test_item_in_the_middle_captures_both_sides() -> None:
+    def normalised(x: torch.Tensor) -> torch.Tensor:
+        h = x.relu() @ x.T
+        k = (h > 0).sum().item()
+        return torch.tanh(h / (k + 1)) @ x
+
+    f = torch.compile(normalised, backend=_ro(), fullgraph=True)
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        for i in range(5):
+            x = torch.randn(4, 4) + (i - 2) * 0.3  # k differs between calls
+            assert_close(f(x), normalised(x), reduction=4)
+    r = _rec()
+    assert "aten._local_scalar_dense" in [op for op, _ in r.splits]
+    assert len(r.pieces) == 2 and _counts(r) == [(1, 3), (1, 3)] and r.fallbacks == []
+
+
+@torch.no_grad()
+def test_a_split_op_int_is_no_part_of_the_graph_key() -> None:
+    torch.manual_seed(0)
+    net = WindowNet().eval()
+    f = torch.compile(net, backend=_ro(split_ops=[WINDOW_SUM]))
+    x = torch.randn(3, 8)
+    for n in [1, 2, 3, 4, 5, 6, 7, 8, 2, 5]:
+        assert_close(f(x, n), net(x, n), reduction=8, what=f"n={n}")
+    r = _rec()  # from n=2 on, dynamo's graph takes n as an input
+    assert r.splits == [("ggtest.window_sum", "listed in capture_config.split_ops")]
+    assert _counts(r) == [(1, 7), (1, 7)], str(graphgear.stats())
+    assert r.compiles == 1
+
+
+@torch.no_grad()
+def test_full_and_piecewise_captures_a_listed_op_whole_when_the_key_fixes_its_args() -> None:
+    torch.manual_seed(0)
+    net = WindowNet().eval()
+    f = torch.compile(net, backend=_ro(split_ops=[WINDOW_SUM]), dynamic=False)
+    x = torch.randn(3, 8)
+    for _ in range(3):
+        assert_close(f(x, 4), net(x, 4), reduction=8)
+    r = _rec()  # n is a constant of the graph: no cut needed
+    assert r.pieces == [] and (r.captures, r.replays) == (1, 1)
+
+    graphgear.reset()
+    f = torch.compile(net, backend=_ro(split_ops=[WINDOW_SUM], **{"capture_config.mode": "piecewise"}),
+                      dynamic=False)
+    for _ in range(3):
+        assert_close(f(x, 4), net(x, 4), reduction=8)
+    assert _counts(_rec()) == [(1, 1), (1, 1)]  # 'piecewise' cuts at every listed node
+
+
+@torch.no_grad()
+def test_split_ops_with_mode_full_is_a_config_error() -> None:
+    f = torch.compile(WindowNet(), backend=_ro(split_ops=[WINDOW_SUM], **{"capture_config.mode": "full"}))
+    with pytest.raises(Exception) as info:
+        f(torch.randn(2, 8), 3)
+    err = graphgear.errors.graphgear_error(info.value)
+    assert isinstance(err, graphgear.ConfigError), info.value
+    assert "capture_config.split_ops" in str(err) and "mode='full'" in str(err)
+
+
+@torch.no_grad()
+def test_sdpa_as_a_split_op() -> None:
+    torch.manual_seed(0)
+    m = Attention().eval()
+    f = torch.compile(m, backend=_ro(split_ops=[FLASH], **{"capture_config.mode": "piecewise"}))
+    for _ in range(4):
+        x = torch.randn(2, 5, 16)
+        assert_close(f(x), m(x), reduction=16)
+    r = _rec()
+    assert [op for op, _ in r.splits] == [FLASH]
+    assert _counts(r) == [(1, 2), (1, 2)]
+
+
+@torch.no_grad()
+def test_a_cache_written_in_a_piece_matches_eager() -> None:
+    torch.manual_seed(0)
+    net, ref = CachedWindowNet(), CachedWindowNet()
+    ref.load_state_dict(net.state_dict())
+    f = torch.compile(net, backend=_ro(split_ops=[WINDOW_SUM]))
+    for p in range(4):
+        x = torch.randn(1, 8)
+        n = 1 + p * 2
+        assert_close(f(x, torch.tensor([p]), n), ref(x, torch.tensor([p]), n), reduction=32)
+        assert_close(net.cache, ref.cache, reduction=8, what="cache")  # each write happened once
+    assert sum(c for c, _ in _counts(_rec())) >= 1
+
+
+@torch.no_grad()
+def test_gears_with_precompile_give_pieces_per_gear() -> None:
+    torch.manual_seed(0)
+    net = WindowNet().eval()
+    f = torch.compile(net, backend=_ro(split_ops=[WINDOW_SUM], gear_padding=True,
+                                       **{"capture_config.mode": "piecewise"}))
+    x = torch.randn(8, 8)
+    graphgear.set_dim_gears(x, {0: [1, 2, 4, 8]})
+    graphgear.inference.precompile_gears(f, x, 3)
+    compiles = _rec().compiles
+    for batch in [1, 3, 5, 8, 2]:
+        y = torch.randn(batch, 8)
+        assert_close(f(y, 3), net(y, 3), reduction=8, what=f"batch {batch}")
+    r = _rec()
+    assert r.compiles == compiles, "a gear compiled after precompile_gears"
+    assert len(r.pieces) == 2 and r.fallbacks == []
+    assert all(c == 4 for c, _ in _counts(r)), "one capture per piece per gear"
+
+
+def test_threads_each_get_their_own_results() -> None:
+    torch.manual_seed(0)
+    net = WindowNet().eval()
+    f = torch.compile(net, backend=_ro(split_ops=[WINDOW_SUM]))
+    inputs = [(torch.randn(3, 8) + k, 2 + k) for k in range(4)]
+    with torch.no_grad():
+        wants = [net(x, n) for x, n in inputs]
+        f(*inputs[0])
+        f(*inputs[1])
+    errors: list[str] = []
+
+    def worker(k: int) -> None:
+        x, n = inputs[k]
+        with torch.no_grad():
+            for step in range(50):
+                out = f(x, n)
+                if not torch.allclose(out, wants[k], atol=1e-5, rtol=1e-4):
+                    errors.append(f"thread {k} step {step}: wrong result")
+                    return
+
+    run_threads(worker, len(inputs))
+    assert not errors, errors[:4]
+
+
+@torch.no_grad()
+def test_reset_releases_live_outputs_and_recaptures() -> None:
+    torch.manual_seed(0)
+    net = WindowNet().eval()
+    f = torch.compile(net, backend=_ro(split_ops=[WINDOW_SUM], warmup_iters=0))
+    x = torch.randn(3, 8)
+    f(x, 2)
+    out = f(x, 3)
+    graphgear.reset()
+    with pytest.raises(RuntimeError, match="released"):
+        out + 0
+    assert_close(f(x, 4), net(x, 4), reduction=8)
+    assert_close(f(x, 5), net(x, 5), reduction=8)
+
+
+@torch.no_grad()
+def test_an_error_in_a_split_op_reaches_the_caller_and_state_survives() -> None:
+    torch.manual_seed(0)
+    net, ref = CachedWindowNet(), CachedWindowNet()
+    ref.load_state_dict(net.state_dict())
+    f = torch.compile(net, backend=_ro(split_ops=[WINDOW_SUM]))
+    x = torch.randn(1, 8)
+    for p, n in enumerate([1, 2, 3]):
+        f(x, torch.tensor([p]), n)
+        ref(x, torch.tensor([p]), n)
+    with pytest.raises(ValueError, match="n=9 is outside 1..8"):
+        f(x, torch.tensor([3]), 9)
+    with pytest.raises(ValueError, match="n=9 is outside 1..8"):
+        ref(x, torch.tensor([3]), 9)
+    assert_close(net.cache, ref.cache, reduction=8, what="cache after the error")
+    assert_close(f(x, torch.tensor([0]), 4), ref(x, torch.tensor([0]), 4), reduction=32)
+    assert_close(net.cache, ref.cache, reduction=8, what="cache")
+
+
+@torch.no_grad()
+def test_graph_dump_writes_each_piece(tmp_path: os.PathLike[str]) -> None:
+    net = WindowNet().eval()
+    f = torch.compile(net, backend=_ro(split_ops=[WINDOW_SUM], **{"debug.graph_dump.type": "txt",
+                                                                   "debug.graph_dump.path": str(tmp_path)}))
+    x = torch.randn(3, 8)
+    for n in (2, 3, 4):
+        f(x, n)
+    pieces = sorted(f for f in os.listdir(tmp_path) if "piece" in f)
+    assert len(pieces) >= 2, os.listdir(tmp_path)
+    assert all("ggtest.window_sum" not in open(os.path.join(tmp_path, p)).read() for p in pieces)
+
+
+def test_training_through_a_split_matches_eager_gradients() -> None:
+    torch.manual_seed(0)
+    net, ref = WindowNet(), WindowNet()
+    ref.load_state_dict(net.state_dict())
+    f = torch.compile(net, backend=_ro(split_ops=[WINDOW_SUM]))
+    for n in (2, 3, 2, 3, 2):
+        x = torch.randn(3, 8)
+        f(x, n).square().sum().backward()
+        ref(x, n).square().sum().backward()
+        for (name, p), q in zip(net.named_parameters(), ref.parameters()):
+            assert_close(p.grad, q.grad, reduction=24, what=f"{name} n={n}")
+            p.grad = q.grad = None
+    # the backward needs n too, so n is part of the training graphs' key: each key is
+    # captured whole (its n fixed), and the split op runs inside the capture
+    fw, bw = _rec("forward"), _rec("backward")
+    assert fw.captures == 2 and bw.captures == 2 and fw.pieces == [], str(graphgear.stats())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("batch", [1, 4])
+def test_llama_decode_step_piecewise_matches_eager(batch: int) -> None:
+    from graphgear.bench.models import build_model
+
+    bm = build_model("llama")
+    model, ref = bm.make(batch), bm.make(batch)
+    f = torch.compile(model, backend=_ro(split_ops=[FLASH], **{"capture_config.mode": "piecewise"}))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for pos in range(5):
+            tok = torch.randint(0, bm.vocab_size, (batch, 1))
+            p = torch.tensor([pos])
+            assert_close(f(tok, p), ref(tok, p), reduction=4096, what=f"logits at {pos}")
+    for i, (a, b) in enumerate(zip(model.cache.layers, ref.cache.layers)):
+        assert_close(a.keys, b.keys, reduction=4096, what=f"layer {i} keys")
+        assert_close(a.values, b.values, reduction=4096, what=f"layer {i} values")
+    r = _rec()
+    assert FLASH in [op for op, _ in r.splits] and r.fallbacks == []
+    assert len(r.pieces) >= 3 and all(c == 1 for c, _ in _counts(r)), str(graphgear.stats())
