@@ -6,7 +6,10 @@
 
 One table per model size. Rows are contenders: ``eager``, ``torch.compile`` (its default,
 Inductor), ``graphgear-max-autotune``, ``graphgear-reduce-overhead``,
-``graphgear-reduce-overhead-frozen`` (``frozen_parameter``: weights packed as constants)
+``graphgear-reduce-overhead-frozen`` (``frozen_parameter``: weights packed as constants),
+``graphgear-reduce-overhead-piecewise`` (piecewise capture with attention,
+``aten._scaled_dot_product_flash_attention_for_cpu``, in ``split_ops`` and batch gears
+1, 2, 4, 8: each layer's attention runs uncaptured between captured pieces)
 and ``graphgear-serve`` (``graphgear.inference.serve``: frozen parameters plus the
 serving guard filter); columns are batch sizes. Each cell is µs per decode
 step and the speedup vs eager (eager's time / the contender's: higher is better); the
@@ -64,7 +67,10 @@ SIZES = {
                   num_key_value_heads=4, vocab_size=8192),
 }
 #: the contenders, named as everywhere (graphgear.bench.names), and this benchmark's frozen variant
-CONTENDERS = (*NAMES[:4], "graphgear-reduce-overhead-frozen", NAMES[4])
+PIECEWISE = "graphgear-reduce-overhead-piecewise"
+CONTENDERS = (*NAMES[:4], "graphgear-reduce-overhead-frozen", PIECEWISE, NAMES[4])
+#: the op piecewise capture leaves uncaptured: the attention of every layer
+SPLIT_ATTENTION = "aten._scaled_dot_product_flash_attention_for_cpu"
 SERVE, SERVE_VIA_DYNAMO = "graphgear-serve", "graphgear-serve-via-dynamo"
 MAX_LEN = 64
 
@@ -133,6 +139,10 @@ def compiled(name: str, model: torch.nn.Module) -> Callable[..., Any]:
     cfg.mode = "max-autotune" if name.endswith("max-autotune") else "reduce-overhead"
     if name.endswith("-frozen"):
         cfg.experimental_config.frozen_parameter = True
+    if name == PIECEWISE:  # attention between captured pieces, as a server with paged attention runs it
+        cfg.capture_config.mode = "piecewise"
+        cfg.capture_config.split_ops = [SPLIT_ATTENTION]
+        cfg.inference_config.input_gears = {"input_ids": {0: [1, 2, 4, 8]}, "position_ids": {0: [1, 2, 4, 8]}}
     return torch.compile(model, backend=graphgear.get_backend(cfg))
 
 

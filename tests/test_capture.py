@@ -349,7 +349,8 @@ def test_item_in_graph_falls_back_without_a_split() -> None:
 
     f = torch.compile(fn, backend=_ro(split_uncapturable=False), fullgraph=True)
     with torch._dynamo.config.patch(capture_scalar_outputs=True), \
-            pytest.warns(UserWarning, match="_local_scalar_dense"):
+            pytest.warns(UserWarning, match=r"_local_scalar_dense.*: capture_config.split_uncapturable=True "
+                                            r"\(or split_ops=\['aten._local_scalar_dense'\]\)"):
         out = f(torch.ones(3))
     assert_close(out, torch.full((3,), 3.0))
     assert any(op == "aten._local_scalar_dense" for op, _ in _rec().fallbacks)

@@ -196,8 +196,10 @@ def _uncapturable(gm: fx.GraphModule, ctx: CompileContext, device: Any,
         hint = (f"capture_config.mode='full_and_piecewise' (the default) runs {ops} uncaptured "
                 f"between captured pieces instead")
     else:
-        hint = (f"capture_config.split_uncapturable=True (or split_ops=[{ops!r}]) runs {ops} "
-                f"uncaptured between captured pieces instead")
+        listable = [op for op in dict.fromkeys(op for op, _ in blocked) if "." in op]
+        hint = ("capture_config.split_uncapturable=True"
+                + (f" (or split_ops={listable!r})" if listable else "")
+                + f" runs {ops} uncaptured between captured pieces instead")
     if cc.fallback == "raise":
         raise CaptureError(
             f"graphgear: {ctx.record.name} ({ctx.stage}) cannot be captured into a "
@@ -206,7 +208,7 @@ def _uncapturable(gm: fx.GraphModule, ctx: CompileContext, device: Any,
         )
     warn(
         f"graphgear: {ctx.record.name} ({ctx.stage}) cannot be captured into a {device.type} "
-        f"graph ({listing}); the whole graph runs uncaptured (fallback='eager'). {hint[0].upper()}{hint[1:]}; "
+        f"graph ({listing}); the whole graph runs uncaptured (fallback='eager'): {hint}; "
         f"or move the op out of the compiled region, or set fallback='raise' to make this an error."
     )
     return UncapturedGraph(gm, ctx.record)
