@@ -271,3 +271,29 @@ def test_llama_decode_step_piecewise_matches_eager(batch: int) -> None:
     r = _rec()
     assert FLASH in [op for op, _ in r.splits] and r.fallbacks == []
     assert len(r.pieces) >= 3 and all(c == 1 for c, _ in _counts(r)), str(graphgear.stats())
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("warmup", [0, 1])
+def test_an_error_in_a_split_op_while_the_pieces_capture(warmup: int) -> None:
+    """The split op raises on the call that captures piece 0 (before piece 1 ever
+    captured): the cache write of piece 0 happened once, as in eager, and later calls
+    capture and replay correctly."""
+    torch.manual_seed(0)
+    net, ref = CachedWindowNet(), CachedWindowNet()
+    ref.load_state_dict(net.state_dict())
+    f = torch.compile(net, backend=_ro(split_ops=[WINDOW_SUM], warmup_iters=warmup))
+    x = torch.randn(1, 8)
+    for p in range(warmup):
+        assert_close(f(x, torch.tensor([p]), 2), ref(x, torch.tensor([p]), 2), reduction=32)
+    for n in (3, 4):  # n=4: dynamo's graph with n as an input
+        assert_close(f(x, torch.tensor([0]), n), ref(x, torch.tensor([0]), n), reduction=32)
+    for n in (0, 9):
+        with pytest.raises(ValueError, match=f"n={n} is outside"):
+            f(x, torch.tensor([1]), n)
+        with pytest.raises(ValueError, match=f"n={n} is outside"):
+            ref(x, torch.tensor([1]), n)
+        assert_close(net.cache, ref.cache, reduction=8, what=f"cache after n={n}")
+    for p, n in [(2, 4), (3, 5), (1, 8)]:
+        assert_close(f(x, torch.tensor([p]), n), ref(x, torch.tensor([p]), n), reduction=32, what=f"n={n}")
+        assert_close(net.cache, ref.cache, reduction=8, what=f"cache n={n}")
