@@ -23,6 +23,7 @@ LAYERS: list[set[str]] = [
     # the cache's folders and trust check import nothing of graphgear: capture uses them
     {"graphgear.errors", "graphgear._torch", "graphgear.cache.store"},
     {"graphgear.config", "graphgear.stats", "graphgear.debug", "graphgear.context"},
+    {"graphgear.option_checks"},  # options without effect in a mode, combinations that cannot work
     {"graphgear.shapes", "graphgear.inputs", "graphgear.gears",
      "graphgear.cache.artifacts"},  # what a cache entry keeps of a graph: the compilers record into it
     {"graphgear.dispatch"},  # a graph's callables by key, the gear guard, precompile_gears
