@@ -117,14 +117,10 @@ class RemoveCatOps(GraphPass):
             with graph.inserting_before(t if d else cat):
                 piece = graph.call_function(aten.slice.Tensor, (buf, dim, offset, offset + size))
                 piece.meta["val"] = out.narrow(dim, offset, size)
-                if d:
-                    written = graph.call_function(out_variant(t.target), t.args, {**t.kwargs, "out": piece})
-                else:
-                    written = graph.call_function(aten.copy_.default, (piece, t))
-            written.meta["val"] = piece.meta["val"]
-            if d:
-                t.replace_all_uses_with(written)
-                graph.erase_node(t)
+                if not d:
+                    graph.call_function(aten.copy_.default, (piece, t)).meta["val"] = piece.meta["val"]
+            if d:  # in place: the producer keeps its name (data dumps match by name)
+                t.target, t.kwargs = out_variant(t.target), {**t.kwargs, "out": piece}
             offset += size
         cat.replace_all_uses_with(buf)
         graph.erase_node(cat)
