@@ -171,8 +171,13 @@ def _options_keys() -> list[str]:
     for leaf in sorted(leaves):
         if len(leaves[leaf]) == 1 and leaves[leaf][0] != leaf:
             lines.append(f"| `{leaf}` | `{leaves[leaf][0]}` |")
-    for alias, target in sorted(_aliases().items()):
+    from graphgear.config import OPTION_ALIASES
+
+    aliases = {**_aliases(), **OPTION_ALIASES}
+    for alias, target in sorted(aliases.items()):
         lines.append(f"| `{alias}` (alias) | `{target}` |")
+    lines += ["", "The aliases are TorchAir's names (its `npugraph_ex` options); "
+              "[Coming from TorchAir](../guides/coming-from-torchair.md) says what each one does here."]
     ambiguous = sorted(leaf for leaf, ps in leaves.items() if len(ps) > 1 and leaf not in ps)
     if ambiguous:
         lines += ["", "These names are shared by several options and need the full path: "

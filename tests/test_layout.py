@@ -22,7 +22,9 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "graphgear"
 LAYERS: list[set[str]] = [
     # the cache's folders and trust check import nothing of graphgear: capture uses them
     {"graphgear.errors", "graphgear._torch", "graphgear.cache.store"},
-    {"graphgear.config", "graphgear.stats", "graphgear.debug", "graphgear.context"},
+    {"graphgear.config", "graphgear.stats", "graphgear.debug", "graphgear.context", "graphgear.datadump",
+     "graphgear.dumpfiles", "graphgear.accuracy"},
+    {"graphgear.option_checks"},  # options without effect in a mode, combinations that cannot work
     {"graphgear.shapes", "graphgear.inputs", "graphgear.gears",
      "graphgear.cache.artifacts"},  # what a cache entry keeps of a graph: the compilers record into it
     {"graphgear.dispatch"},  # a graph's callables by key, the gear guard, precompile_gears

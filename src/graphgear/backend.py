@@ -36,14 +36,17 @@ from ._torch.ops import OpOverload
 from ._torch.serialize import aot_bundling, serializable_compiler
 from .cache.bundle import GraphgearOutputCode, bundled_compiler
 from .capture import MemoryPool
+from .capture.rules import graph_device
 from .compilers.inductor import inductor_decompositions
 from .config import CompilerConfig, apply_options, mode_of
 from .cpu.frozen import FrozenCopies
 from .errors import ConfigError, GraphgearError
 from .gears import guard_gears_shape, keep_size_one_dynamic, set_dim_gears
 from .inputs import GraphInputs, aot_input_names, aot_input_positions
+from .option_checks import check_combinations, warn_idle_options
 from .passes import check_disabled_passes
 from .passes.joint import joint_graph_passes, pre_grad_fusions
+from .passes.remove_cat import runs_as_is
 from .pipeline import compile_graph
 
 log = logging.getLogger(__name__)
@@ -182,6 +185,9 @@ class GraphgearBackend:
             )
         self.config = (compiler_config or CompilerConfig()).copy()
         check_disabled_passes(self.config)
+        check_combinations(self.config)
+        # the messages of options without effect already warned of (once per backend)
+        self._warned: set[str] = set()
         self.custom_decompositions = dict(custom_decompositions or {})
         # one MemoryPool per raw device pool handle given to use_custom_pool, so every
         # graph of this backend that names the handle shares one pool (and its liveness)
@@ -217,8 +223,13 @@ class GraphgearBackend:
                 config.mode = _TORCH_MODES[mode]
         apply_options(config, options)
         check_disabled_passes(config)
+        check_combinations(config)
         self._own_pool(config)
         return config
+
+    def _warn_idle_options(self, config: CompilerConfig, example_inputs: Sequence[Any]) -> None:
+        warn_idle_options(config, graph_device(example_inputs).type,
+                          runs_as_is=runs_as_is(config, example_inputs), seen=self._warned)
 
     def __call__(
         self,
@@ -253,6 +264,7 @@ class GraphgearBackend:
                 "passes mode= and options= only."
             )
         config = self._config_for_call(mode, options)
+        self._warn_idle_options(config, example_inputs)
         input_gears = config.inference_config.input_gears
         inputs = GraphInputs.from_dynamo(gm, example_inputs, input_gears)
         if input_gears and inputs.dim_gears:
@@ -316,8 +328,15 @@ def get_backend(
 
 
 def graphgear_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable[..., Any]:
-    """The backend registered as ``"graphgear"``: default config, ``options=`` applied."""
-    return GraphgearBackend()(gm, example_inputs, **kwargs)
+    """The backend registered as ``"graphgear"``: default config, ``options=`` applied
+    (one backend per graph: its warnings of options without effect are once per process)."""
+    backend = GraphgearBackend()
+    backend._warned = _STRING_BACKEND_WARNED
+    return backend(gm, example_inputs, **kwargs)
+
+
+#: the ``"graphgear"`` string backend's warnings of options without effect, already given
+_STRING_BACKEND_WARNED: set[str] = set()
 
 
 def _is_aten_graph(gm: fx.GraphModule) -> bool:
@@ -345,6 +364,7 @@ def get_compiler(config: CompilerConfig | None = None) -> Callable[[fx.GraphModu
 
     def compiler(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         if _is_aten_graph(gm):
+            backend._warn_idle_options(config, example_inputs)
             gm = decompose_aten_graph(gm, example_inputs, default_decompositions(config))
             return compile_graph(gm, example_inputs, config=config, stage="inference", static_inputs=[])
         out = next(iter(gm.graph.find_nodes(op="output")))

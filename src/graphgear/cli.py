@@ -1,4 +1,4 @@
-"""The ``graphgear`` command: ``bench``, ``env``, ``cache`` and ``--version``.
+"""The ``graphgear`` command: ``bench``, ``env``, ``cache``, ``compare`` and ``--version``.
 
 Conventions shared with ``benchmarks/*.py`` (:mod:`graphgear.bench.names`): lists are
 space-separated (``--batch-sizes 1 2 4``, ``--contenders eager graphgear-serve``),
@@ -22,8 +22,9 @@ from .bench import CONTENDERS, DEFAULT_CONTENDERS, DTYPES, MODELS, format_table,
 from .bench.names import EAGER, name_type, positive_int
 from .cache import cache_folder, clear_entries, list_entries
 from .cache.store import use_private_inductor_cache
-from .debug import text_table
+from .debug import compare_dumps, text_table
 from .env import collect, cpu_model, format_report, run_metadata
+from .errors import ConfigError
 
 __all__ = ["main"]
 
@@ -106,7 +107,31 @@ def _parser() -> argparse.ArgumentParser:
         cp = csub.add_parser(name, help=text)
         cp.add_argument("dir", nargs="?", default=None,
                         help="cache folder (default $GRAPHGEAR_CACHE_DIR or ~/.cache/graphgear)")
+    k = sub.add_parser(
+        "compare", help="compare two data dumps (debug.data_dump) node by node; exit 1 on a divergence",
+        description="Compares the node outputs of two data-dump folders (debug.data_dump.path), graphs in "
+        "compile order, calls by number, nodes by name, and prints the first node whose output diverges "
+        "beyond the tolerance (its op, source line and error) and the worst ones. Exit status 1 when a "
+        "node diverges, 0 when none does. From Python, graphgear.debug.compare(model, inputs) dumps and "
+        "compares a model's graphs before and after graphgear's passes in one call.")
+    k.add_argument("reference", help="the reference dump folder (e.g. stage 'original', or eager)")
+    k.add_argument("other", help="the dump folder to check against it")
+    k.add_argument("--atol", type=float, default=1e-5, help="absolute tolerance (default 1e-5)")
+    k.add_argument("--rtol", type=float, default=1e-4, help="relative tolerance (default 1e-4)")
+    k.add_argument("--top", type=positive_int, default=5, help="how many of the worst nodes to list (default 5)")
     return parser
+
+
+def _compare_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    if args.atol < 0 or args.rtol < 0:
+        parser.error(f"--atol and --rtol take values >= 0, got --atol {args.atol} --rtol {args.rtol}")
+    try:
+        report = compare_dumps(args.reference, args.other, atol=args.atol, rtol=args.rtol, top=args.top)
+    except ConfigError as e:  # a folder that holds no dump: the message says which and why
+        print(e, file=sys.stderr)
+        return 2
+    print(report)
+    return 1 if report.diverged else 0
 
 
 def _check_bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -175,6 +200,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _cache_command(args.cache_command, args.dir)
     if args.command == "env":
         return _env_command(args.json, not args.no_build)
+    if args.command == "compare":
+        return _compare_command(parser, args)
     _check_bench(parser, args)
     return _bench_command(args)
 

@@ -17,8 +17,10 @@ from typing import Any
 from .errors import ConfigError
 
 __all__ = [
+    "OPTION_ALIASES",
     "CaptureConfig",
     "CompilerConfig",
+    "DataDumpConfig",
     "DebugConfig",
     "ExperimentalConfig",
     "FxSummaryConfig",
@@ -94,6 +96,10 @@ _BOOL = (True, False)
 
 def _is_names(v: Any) -> bool:
     return isinstance(v, tuple | list) and all(isinstance(x, str) and x for x in v)
+
+
+def _is_steps(v: Any) -> bool:
+    return isinstance(v, tuple | list) and all(_is_int(0)(x) for x in v)
 
 
 class _Section:
@@ -222,11 +228,34 @@ class FxSummaryConfig(_Section):
     path = Option(".", "folder the summaries go to", check=_is_str, allowed="a non-empty path string")
 
 
-class DebugConfig(_Section):
-    """``debug``: graph dumps, op summaries, and running the graph without compiling it."""
+class DataDumpConfig(_Section):
+    """``debug.data_dump``: the output of each selected node of each graph, per call, for
+    accuracy work (as TorchAir's data dump; see ``graphgear.debug.compare``). While it is
+    on, graphgear runs each graph op by op (nothing is compiled or captured) and writes
+    ``<path>/<graph>/call_<n>.pt`` (a dict of tensors, ``torch.load(..., weights_only=True)``
+    reads it) and ``<path>/<graph>/index.json`` (node, op, shape, dtype, stats, source line)."""
 
+    enabled = Option(False, "dump node outputs (TorchAir's dump_tensor_data); the graph runs op by op", choices=_BOOL)
+    path = Option(".", "folder the per-graph dump folders go to", check=_is_str, allowed="a non-empty path string")
+    stage = Option("optimized", "which graph is run and dumped: 'original' (as AOTAutograd gives "
+                   "it, before graphgear's passes) or 'optimized' (after them, what the mode compiles)",
+                   choices=("original", "optimized"))
+    steps = Option((), "calls to dump, counted from 0 per graph (empty: every call)", check=_is_steps,
+                   allowed="a tuple or list of ints >= 0", convert=tuple)
+    ops = Option((), "dump only nodes of these ops, e.g. 'aten.mm' or 'aten.mm.default' (empty: every op)",
+                 check=_is_names, allowed="a tuple or list of op names", convert=tuple)
+    nodes = Option((), "dump only nodes whose names match one of these globs, e.g. 'mm*' (empty: every node)",
+                   check=_is_names, allowed="a tuple or list of node-name globs", convert=tuple)
+
+
+class DebugConfig(_Section):
+    """``debug``: graph dumps, op summaries, data dumps, and running the graph without
+    compiling it. ``force_eager`` (TorchAir's npugraph_ex name) is an alias of ``run_eagerly``."""
+
+    _aliases = {"force_eager": "run_eagerly"}
     graph_dump = GraphDumpConfig
     fx_summary = FxSummaryConfig
+    data_dump = DataDumpConfig
     run_eagerly = Option(False, "run the optimised FX graph as it is: no capture, no codegen",
                          choices=_BOOL)
 
@@ -243,6 +272,15 @@ class ExperimentalConfig(_Section):
                               "(each model's parameters still get captures of their own)", choices=_BOOL)
     remove_noop_ops = Option(True, "remove no-op ops (identity views, x+0, x*1, clones)",
                              choices=_BOOL)
+    remove_cat_ops = Option(False, "where the graph runs as it is (run_eagerly, device graphs without Inductor): "
+                            "the inputs of a cat are written by their ops' out= variants into slices of one "
+                            "preallocated output (Inductor does this itself)", choices=_BOOL)
+    inplace_pass = Option(True, "Inductor re-inplaces functional ops on dead intermediates "
+                          "(its reinplace_inplaceable_ops); False turns that off", choices=_BOOL)
+    input_inplace_pass = Option(True, "the reinplace_inputs pass: a functional op copied back into a "
+                                "graph input becomes its in-place variant on that input", choices=_BOOL)
+    static_kernel_compile = Option(False, "TorchAir's static-shape kernel build for Ascend NPUs: accepted, "
+                                   "no effect in graphgear (warns once)", choices=_BOOL)
     pattern_fusion_pass = Option(True, "built-in pattern passes and registered replacements",
                                  choices=_BOOL)
     disabled_passes = Option((), "names of FX passes to skip (graphgear.passes.pass_names())",
@@ -305,7 +343,11 @@ def _is_pool(v: Any) -> bool:
 
 
 class CaptureConfig(_Section):
-    """``capture_config``: capture and replay, in ``reduce-overhead`` mode."""
+    """``capture_config``: capture and replay, in ``reduce-overhead`` mode. ``use_graph_pool`` and
+    ``reuse_graph_pool_in_same_fx`` (TorchAir's npugraph_ex names) are aliases of
+    ``use_custom_pool`` and ``reuse_pool_across_gears``."""
+
+    _aliases = {"use_graph_pool": "use_custom_pool", "reuse_graph_pool_in_same_fx": "reuse_pool_across_gears"}
 
     mode = Option("full_and_piecewise", "'full': each graph key is captured whole, or (an op "
                   "that cannot be captured) not at all; 'piecewise': each graph is cut at its "
@@ -338,6 +380,11 @@ class CaptureConfig(_Section):
                           allowed="an int >= 0")
     fallback = Option("eager", "what a graph that cannot be captured does: 'eager' runs it "
                       "uncaptured (one warning), 'raise' raises graphgear.CaptureError", choices=("eager", "raise"))
+    capture_error_mode = Option("thread_local", "the capture_error_mode of CUDA and NPU graph capture: "
+                                "'thread_local' (other threads may use the device meanwhile), 'global', 'relaxed' "
+                                "(no effect on the CPU graph)", choices=("global", "thread_local", "relaxed"))
+    force_recapture = Option(False, "capture again on every call instead of replaying (for bisecting capture "
+                             "problems: slow)", choices=_BOOL)
 
 
 class CompilerConfig(_Section):
@@ -381,16 +428,39 @@ class CompilerConfig(_Section):
         return out
 
 
+#: ``options=`` keys naming an option by TorchAir's name (its ``npugraph_ex`` options; see
+#: docs/guides/coming-from-torchair.md) -> the graphgear option's dotted path.
+OPTION_ALIASES: Mapping[str, str] = {
+    "npu_fx_pass": "experimental_config.fx_passes",
+    "force_eager": "debug.run_eagerly",
+    "use_graph_pool": "capture_config.use_custom_pool",
+    "reuse_graph_pool_in_same_fx": "capture_config.reuse_pool_across_gears",
+    "dump_tensor_data": "debug.data_dump.enabled",
+    "data_dump_stage": "debug.data_dump.stage",
+    "data_dump_dir": "debug.data_dump.path",
+}
+
+
+def _section_aliases() -> dict[str, str]:
+    """``section.alias`` -> ``section.option`` for every section's ``_aliases``."""
+    out, todo = {}, [("", CompilerConfig)]
+    while todo:
+        prefix, section = todo.pop()
+        out.update({prefix + a: prefix + t for a, t in section._aliases.items()})
+        todo += [(f"{prefix}{name}.", sub) for name, sub in section._sections().items()]
+    return out
+
+
 def _resolve_key(key: str) -> str:
     paths = CompilerConfig.option_paths()
     if key in paths:
         return key
-    aliases = {"experimental_config.npu_fx_pass": "experimental_config.fx_passes"}
+    if key in OPTION_ALIASES:
+        return OPTION_ALIASES[key]
+    aliases = _section_aliases()
     if key in aliases:
         return aliases[key]
     leaf_matches = [p for p in paths if p.rsplit(".", 1)[-1] == key]
-    if key == "npu_fx_pass":
-        leaf_matches = ["experimental_config.fx_passes"]
     if len(leaf_matches) == 1:
         return leaf_matches[0]
     if len(leaf_matches) > 1:

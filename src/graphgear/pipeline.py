@@ -19,6 +19,7 @@ from .capture.split import rewire_split_ints, split_int_inputs
 from .compilers import MODE_COMPILERS, op_support
 from .config import mode_of
 from .context import CompileContext
+from .datadump import copy_graph, dumped_compiler
 from .dispatch import Build, GearGuard, GraphFacts, KeyedGraph, ValueOnly
 from .gears import GearPlan
 from .inputs import aot_input_names, mutated_placeholders, static_input_indices
@@ -65,11 +66,18 @@ def compile_graph(
         # the user's names, where AOTAutograd's placeholders hold dynamo's inputs
         names = aot_input_names(gm, input_names)
     record.inputs = names
+    dump = config.debug.data_dump
+    original = copy_graph(gm) if dump.enabled and dump.stage == "original" else None
     debug.dump_graph(gm, config, record.name, stage)
     post_grad_pass_manager(config).run(gm, example_inputs, config, record)
     debug.dump_graph(gm, config, record.name, "final")
     debug.fx_summary(gm, config, record.name, functools.partial(op_support, mode=mode))
     record.num_nodes = sum(1 for n in gm.graph.nodes if n.op == "call_function")
+    if dump.enabled:
+        # debug.data_dump: the graph runs op by op, its selected nodes dumped (graphgear.datadump)
+        record.compiles += 1
+        record.compile_seconds += time.perf_counter() - t0
+        return _convention(dumped_compiler(gm, original, config, record.name, mode), boxed)
     static = list(static_inputs) if static_inputs is not None else static_input_indices(len(placeholders))
     ctx = CompileContext(
         config=config,

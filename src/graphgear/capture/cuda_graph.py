@@ -7,8 +7,8 @@ re-capture never re-traces or recompiles. A capture warms the code up once on a 
 stream (inputs the graph mutates are restored afterwards, so the warm-up leaves no
 trace), then captures it on that stream into the calling thread's private memory pool
 (``graph_pool_handle()``, shared as the engine's pool says) with
-``capture_error_mode="thread_local"``, so other threads may keep using the GPU while one
-captures. Replay is ``graph.replay()`` on the calling thread's current stream; outputs
+``capture_config.capture_error_mode`` (default ``"thread_local"``, so other threads may keep
+using the GPU while one captures; ``"global"`` is torch's and TorchAir's default). Replay is ``graph.replay()`` on the calling thread's current stream; outputs
 are the captured static tensors. Only runs on a machine with a GPU; everything around it
 (keys, static inputs, copies, liveness, limits, fallback, threads) is device-neutral and
 tested on the CPU.
@@ -38,8 +38,10 @@ class CUDAGraph:
     rebindable = False
 
     def __init__(self, executor: Callable[[list[Any]], Any], *, pool: MemoryPool, name: str,
-                 device: torch.device, mutated_idx: Sequence[int] = ()) -> None:
+                 device: torch.device, mutated_idx: Sequence[int] = (),
+                 capture_error_mode: str = "thread_local") -> None:
         self.run = executor
+        self.capture_error_mode = capture_error_mode
         self.mutated_idx = list(mutated_idx)
         self.pool = pool
         self.name = name
@@ -88,7 +90,7 @@ class CUDAGraph:
         return torch.cuda.CUDAGraph()
 
     def _graph_ctx(self, graph: Any, pool: Any, stream: Any) -> Any:
-        return torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local")
+        return torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=self.capture_error_mode)
 
     def replay(self) -> list[Any] | None:
         """Replay; None when :meth:`release` came first (another thread's reset)."""

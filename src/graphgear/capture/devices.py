@@ -51,7 +51,8 @@ class DeviceKind:
     """What reduce-overhead needs to know about one device type."""
 
     type: str
-    #: ``graph(code, *, pool, name, device, mutated_idx)``: a new, empty device graph
+    #: ``graph(code, *, pool, name, device, mutated_idx, capture_error_mode)``: a new, empty
+    #: device graph (``capture_error_mode``: ``capture_config``'s, for CUDA and NPU capture)
     graph: Callable[..., Any]
     #: ``code(compiled, gm, name)``: what the device graph runs, from Inductor's compiled
     #: code (None: it could not be compiled, or the device uses no native code: the FX graph)
@@ -81,7 +82,7 @@ def _triton() -> bool:
 
 
 DEVICE_KINDS: Mapping[str, DeviceKind] = MappingProxyType({
-    "cpu": DeviceKind("cpu", graph=lambda code, *, device, mutated_idx, **kw: CPUGraph(code, **kw),
+    "cpu": DeviceKind("cpu", graph=lambda code, *, device, mutated_idx, capture_error_mode, **kw: CPUGraph(code, **kw),
                       code=CPUExecutor, native=lambda: True, warms_on_device=False, rebindable=True),
     # Inductor's GPU code needs Triton: without it the FX graph is captured
     "cuda": DeviceKind("cuda", graph=CUDAGraph, code=_fx_code, native=_triton, warms_on_device=True,

@@ -160,6 +160,11 @@ class CaptureEngine:
         g = e.graph
         if e.params and g is not None and self.executor.versions(e.params) != e.versions:
             e, g = self._weights_written(key, args), None
+        if g is not None and self.cc.force_recapture and not g.released:
+            # capture_config.force_recapture: drop the capture and capture this call again
+            self.group.release(g)
+            e.graph, g, e.recapture = None, None, True
+            return self._capture(e, args)
         if g is None:
             if e.uncaptured:
                 return self._run_uncaptured(args)
@@ -236,7 +241,8 @@ class CaptureEngine:
 
     def _device_graph(self, args: list[Any], statics: tuple[Any, ...]) -> Any:
         return self.kind.graph(self.executor.code(args, statics), pool=self.pool, name=self.record.name,
-                               device=self.device, mutated_idx=self.mutated_idx)
+                               device=self.device, mutated_idx=self.mutated_idx,
+                               capture_error_mode=self.cc.capture_error_mode)
 
     def _warmup(self, args: list[Any], discard: bool) -> list[Any]:
         if self.kind.warms_on_device:

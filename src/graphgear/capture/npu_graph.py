@@ -40,4 +40,4 @@ class NPUGraph(CUDAGraph):
 
     def _graph_ctx(self, graph: Any, pool: Any, stream: Any) -> Any:
         return torch.npu.graph(graph, pool=pool, stream=stream,  # type: ignore[attr-defined]
-                               capture_error_mode="thread_local")
+                               capture_error_mode=self.capture_error_mode)

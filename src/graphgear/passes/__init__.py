@@ -4,7 +4,8 @@
 the user's pre pass, ``remove_noop_ops``, ``pattern_fusion`` (registered replacements),
 ``fold_repeat_kv`` (grouped-query attention without the repeated KV copy),
 ``decode_attention`` (one-query CPU attention as generated code, where Inductor compiles),
-``reinplace_inputs`` (in-place recovery), ``view_to_reshape``, the user's post pass.
+``reinplace_inputs`` (in-place recovery), ``remove_cat_ops`` and ``reinplace_intermediates``
+(where the graph runs as it is: no Inductor), ``view_to_reshape``, the user's post pass.
 The joint-graph fusion passes (``experimental_config.fx_passes``) run earlier, on the
 inference graph, or on a training graph's forward before differentiation (the joint
 graph where that cannot run): see :mod:`graphgear.passes.joint`.
@@ -32,6 +33,8 @@ from .manager import GraphPass, PassManager, UserPass
 from .noop import RemoveNoopOps
 from .patterns import PatternFusion, register_replacement
 from .reinplace import ReinplaceInputs
+from .reinplace_intermediates import ReinplaceIntermediates
+from .remove_cat import RemoveCatOps
 from .repeat_kv import FoldRepeatKV
 from .view_to_reshape import ViewToReshape
 
@@ -81,7 +84,7 @@ def default_passes(config: Any) -> list[GraphPass]:
     if pre is not None:
         passes.append(UserPass("post_grad_custom_pre_pass", pre))
     passes += [RemoveNoopOps(), PatternFusion(), FoldRepeatKV(), DecodeAttention(), ReinplaceInputs(),
-               ViewToReshape()]
+               RemoveCatOps(), ReinplaceIntermediates(), ViewToReshape()]
     post = config.experimental_config.post_grad_custom_post_pass
     if post is not None:
         passes.append(UserPass("post_grad_custom_post_pass", post))
@@ -93,7 +96,7 @@ def pass_names() -> list[str]:
     passes of the static compile last)."""
     return joint_pass_manager().names() + [
         RemoveNoopOps.name, PatternFusion.name, FoldRepeatKV.name, DecodeAttention.name, ReinplaceInputs.name,
-        ViewToReshape.name,
+        RemoveCatOps.name, ReinplaceIntermediates.name, ViewToReshape.name,
         "post_grad_custom_pre_pass", "post_grad_custom_post_pass",
         *CPU_PASS_NAMES,
     ]

@@ -79,6 +79,9 @@ def _same(a: Any, b: Any) -> bool:
 class ReinplaceInputs(GraphPass):
     name = "reinplace_inputs"
 
+    def enabled(self, config: Any) -> bool:
+        return bool(config.experimental_config.input_inplace_pass)  # TorchAir's name for it
+
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], config: Any) -> int:
         graph = gm.graph
         order = {n: i for i, n in enumerate(graph.nodes)}

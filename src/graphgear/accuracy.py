@@ -1,0 +1,229 @@
+"""Finding the op that diverged: :func:`compare_dumps` and :func:`compare` (also
+``graphgear.debug.compare`` and ``graphgear compare``).
+
+:func:`compare_dumps` reads two data-dump folders (``debug.data_dump``; the first is the
+reference) and compares every node output both hold, graph by graph in compile order,
+call by call, node by node in graph order. A node diverges where
+``|b - a| <= atol + rtol * |a|`` fails for some element (or its shape or dtype differ). The
+report names the first divergent node, with its op, its source line (the FX stack trace)
+and its error, and the worst ones by relative error.
+
+:func:`compare` does the whole job for a model and its inputs: it runs the model eagerly
+and compiled in the chosen mode (their outputs compared end to end), then twice more with
+a data dump, at stage ``"original"`` (the graph as AOTAutograd gives it, before
+graphgear's passes) and ``"optimized"`` (after them), and compares the two dumps. A user
+pass, or one of graphgear's, that changes a value is found at the node it changed.
+Inductor's generated kernels are not node by node: a difference inside them shows only
+in the end-to-end comparison.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from .config import CompilerConfig, apply_options
+from .datadump import INDEX
+from .dumpfiles import text_table
+from .errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CompareReport", "NodeDiff", "compare", "compare_dumps"]
+
+DEFAULT_ATOL = 1e-5
+DEFAULT_RTOL = 1e-4
+
+
+@dataclasses.dataclass
+class NodeDiff:
+    """How one node's output differs between two dumps."""
+
+    graph: str
+    call: int
+    node: str
+    op: str
+    source: str
+    max_abs: float  # the largest elementwise |b - a|
+    rel: float  # max_abs over the largest |a|
+    shape: list[int]
+    diverged: bool
+
+
+@dataclasses.dataclass
+class CompareReport:
+    """What :func:`compare_dumps` (or :func:`compare`) found; ``str()`` is the readable report."""
+
+    atol: float
+    rtol: float
+    compared: int = 0
+    first: NodeDiff | None = None
+    worst: list[NodeDiff] = dataclasses.field(default_factory=list)
+    unmatched: list[str] = dataclasses.field(default_factory=list)  # reference nodes the other lacks
+    output_max_abs: float | None = None  # compare(): compiled model output vs eager
+    output_rel: float | None = None
+    output_diverged: bool = False
+
+    @property
+    def diverged(self) -> bool:
+        return self.first is not None or self.output_diverged
+
+    def __str__(self) -> str:
+        verdict = "diverged" if self.diverged else "no divergence"
+        lines = [f"graphgear compare: {self.compared} node outputs compared (atol {self.atol:g}, "
+                 f"rtol {self.rtol:g}): {verdict}"]
+        if self.first is not None:
+            f = self.first
+            lines += [f"first divergent node: {f.node} ({f.op}) in {f.graph}, call {f.call}",
+                      f"  source: {f.source or '(no stack trace)'}",
+                      f"  max abs error {f.max_abs:.3g}, relative {f.rel:.3g}, shape {f.shape}"]
+        if self.worst:
+            rows = [[d.node, d.op, f"{d.max_abs:.3g}", f"{d.rel:.3g}", "yes" if d.diverged else "no",
+                     d.source[-60:]] for d in self.worst]
+            lines += ["worst nodes:", text_table(["node", "op", "max abs", "relative", "diverged", "source"],
+                                                 rows)]
+        if self.output_max_abs is not None:
+            lines.append(f"compiled output vs eager: max abs error {self.output_max_abs:.3g}, relative "
+                         f"{self.output_rel:.3g}{' (diverged)' if self.output_diverged else ''}")
+        if self.unmatched:
+            lines.append(f"{len(self.unmatched)} reference node outputs have no counterpart (passes removed "
+                         f"or renamed them): {', '.join(self.unmatched[:8])}"
+                         f"{' ...' if len(self.unmatched) > 8 else ''}")
+        return "\n".join(lines)
+
+
+def _diff(a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float) -> tuple[float, float, bool]:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return float("inf"), float("inf"), True
+    if not (a.dtype.is_floating_point or a.is_complex()):
+        bad = bool((a != b).any())
+        return (1.0, 1.0, True) if bad else (0.0, 0.0, False)
+    if a.numel() == 0:
+        return 0.0, 0.0, False
+    x, y = a.double(), b.double()
+    same = (x == y) | (torch.isnan(x) & torch.isnan(y))  # equal infinities and NaNs agree
+    err = torch.where(same, torch.zeros_like(x), (y - x).abs())
+    err = torch.nan_to_num(err, nan=float("inf"))
+    max_abs = float(err.max())
+    scale = float(torch.nan_to_num(x.abs(), nan=0.0, posinf=0.0).max())
+    rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else float("inf"))
+    diverged = bool((err > atol + rtol * x.abs().nan_to_num(nan=0.0)).any())
+    return max_abs, rel, diverged
+
+
+def _graphs(folder: str) -> list[str]:
+    if not os.path.isdir(folder):
+        raise ConfigError(f"graphgear compare: {folder!r} is not a folder; give two folders a data dump "
+                          f"(debug.data_dump.path) wrote.")
+    found = sorted(d for d in os.listdir(folder) if os.path.isfile(os.path.join(folder, d, INDEX)))
+    if not found:
+        raise ConfigError(f"graphgear compare: {folder!r} holds no data dump (no <graph>/{INDEX} in it); "
+                          f"dump into it with debug.data_dump.enabled=True and debug.data_dump.path.")
+    return found
+
+
+def _index(folder: str) -> dict[str, Any]:
+    with open(os.path.join(folder, INDEX)) as f:
+        return json.load(f)  # type: ignore[no-any-return]
+
+
+def _load(folder: str, name: str) -> dict[str, torch.Tensor]:
+    return torch.load(os.path.join(folder, name), weights_only=True)  # type: ignore[no-any-return]
+
+
+def compare_dumps(reference: str, other: str, *, atol: float = DEFAULT_ATOL, rtol: float = DEFAULT_RTOL,
+                  top: int = 5) -> CompareReport:
+    """Compare two data-dump folders (see the module docstring); graphs are paired in
+    compile order, calls by number, nodes by name."""
+    report = CompareReport(atol=atol, rtol=rtol)
+    diffs: list[NodeDiff] = []
+    for ga, gb in zip(_graphs(reference), _graphs(other)):
+        da, db = os.path.join(reference, ga), os.path.join(other, gb)
+        ia, ib = _index(da), _index(db)
+        nodes = {n["name"]: n for n in ia["nodes"]}
+        calls_b = {c["call"]: c["file"] for c in ib["calls"]}
+        for call in sorted(ia["calls"], key=lambda c: c["call"]):
+            if call["call"] not in calls_b:
+                continue
+            ta, tb = _load(da, call["file"]), _load(db, calls_b[call["call"]])
+            for name in (n["name"] for n in ia["nodes"]):
+                if name not in ta:
+                    continue
+                if name not in tb:
+                    if f"{ga}:{name}" not in report.unmatched:
+                        report.unmatched.append(f"{ga}:{name}")
+                    continue
+                max_abs, rel, bad = _diff(ta[name], tb[name], atol, rtol)
+                d = NodeDiff(ga, call["call"], name, nodes[name]["op"], nodes[name]["source"], max_abs, rel,
+                             list(ta[name].shape), bad)
+                report.compared += 1
+                diffs.append(d)
+                if bad and report.first is None:
+                    report.first = d
+    report.worst = sorted((d for d in diffs if d.max_abs > 0), key=lambda d: -d.rel)[:top]
+    return report
+
+
+def _flat(x: Any) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if hasattr(x, "to_tuple"):  # transformers' ModelOutput
+        x = x.to_tuple()
+    if isinstance(x, dict):
+        x = list(x.values())
+    if isinstance(x, list | tuple):
+        return [t for item in x for t in _flat(item)]
+    return []
+
+
+def _options(config: CompilerConfig) -> dict[str, Any]:
+    return dict(iter(config))
+
+
+def compare(model: Callable[..., Any], inputs: Sequence[Any], *, config: CompilerConfig | None = None,
+            mode: str | None = None, options: dict[str, Any] | None = None, atol: float = DEFAULT_ATOL,
+            rtol: float = DEFAULT_RTOL, top: int = 5, workdir: str | None = None) -> CompareReport:
+    """Run ``model(*inputs)`` eagerly and through graphgear in ``config``'s mode (``mode``
+    and ``options`` change it), compare the outputs, then dump and compare every node of
+    the graphs before and after graphgear's passes (see the module docstring); returns
+    the report (``report.diverged``). ``model`` must give the same result each call (no
+    state carried between calls, such as a KV cache). The dumps go to ``workdir`` (kept)
+    or a temporary folder (removed). Calls ``torch.compiler.reset()`` before each compile."""
+    config = (config or CompilerConfig()).copy()
+    if mode is not None:
+        config.mode = mode
+    apply_options(config, options)
+    inputs = list(inputs)
+    with torch.no_grad():
+        expected = _flat(model(*inputs))
+        torch.compiler.reset()
+        got = _flat(torch.compile(model, backend="graphgear", options=_options(config))(*inputs))
+        with tempfile.TemporaryDirectory(prefix="graphgear-compare-") as tmp:
+            root = workdir or tmp
+            folders = {}
+            for stage in ("original", "optimized"):
+                dumped = config.copy()
+                for path, value in CompilerConfig().capture_config:  # a dump captures nothing
+                    apply_options(dumped, {path: value})
+                folders[stage] = os.path.join(root, stage)
+                apply_options(dumped, {"debug.data_dump.enabled": True, "debug.data_dump.stage": stage,
+                                       "debug.data_dump.path": folders[stage]})
+                torch.compiler.reset()
+                torch.compile(model, backend="graphgear", options=_options(dumped))(*inputs)
+            torch.compiler.reset()
+            report = compare_dumps(folders["original"], folders["optimized"], atol=atol, rtol=rtol, top=top)
+    worst = (0.0, 0.0, False)
+    for e, g in zip(expected, got):
+        d = _diff(e.detach().cpu(), g.detach().cpu(), atol, rtol)
+        worst = (max(worst[0], d[0]), max(worst[1], d[1]), worst[2] or d[2])
+    report.output_max_abs, report.output_rel, report.output_diverged = worst
+    if len(expected) != len(got):
+        report.output_diverged = True
+    return report

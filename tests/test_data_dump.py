@@ -1,0 +1,185 @@
+"""``debug.data_dump`` and ``graphgear compare`` (issue 37): what is dumped, how it is
+read back, and finding a planted divergence."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import graphgear
+from graphgear.cli import main
+from graphgear.datadump import DataDumper
+from graphgear.debug import compare, compare_dumps
+from tests.helpers import assert_close
+from tests.helpers import last_record as _rec
+
+
+def _f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    a = x @ w
+    b = a + 0  # remove_noop_ops drops it: in the original graph only
+    return torch.relu(b).sum(0) + x.mean()
+
+
+def _dump(tmp: Path, fn: Any = _f, args: tuple[Any, ...] | None = None, calls: int = 1,
+          **options: Any) -> tuple[Path, list[Any]]:
+    args = args or (torch.randn(4, 8), torch.randn(8, 8))
+    compiled = torch.compile(fn, backend="graphgear", options={
+        "dump_tensor_data": True, "data_dump_dir": str(tmp), "force_eager": True, **options})
+    outs = []
+    for _ in range(calls):
+        outs.append(compiled(*args))
+        assert_close(outs[-1], fn(*args), reduction=8)
+    (graph,) = [d for d in tmp.iterdir() if d.is_dir()]
+    return graph, outs
+
+
+def _index(graph: Path) -> dict[str, Any]:
+    return json.loads((graph / "index.json").read_text())
+
+
+def test_dump_writes_every_node_per_call_loadable_without_pickle(tmp_path: Path) -> None:
+    graph, _ = _dump(tmp_path, calls=2)
+    assert sorted(p.name for p in graph.iterdir()) == ["call_00000.pt", "call_00001.pt", "index.json"]
+    idx = _index(graph)
+    assert idx["stage"] == "optimized" and idx["graph"] == graph.name
+    names = [n["name"] for n in idx["nodes"]]
+    assert names[:2] == ["arg0_1", "arg1_1"] and "mm" in names and "add" not in names  # x + 0 removed
+    mm = next(n for n in idx["nodes"] if n["name"] == "mm")
+    assert mm["op"] == "aten.mm" and mm["source"].endswith("in _f: a = x @ w")
+    tensors = torch.load(graph / "call_00000.pt", weights_only=True)
+    assert set(tensors) == set(names)
+    x, w = tensors["arg0_1"], tensors["arg1_1"]
+    assert_close(tensors["mm"], x @ w, reduction=8)
+    stats = idx["calls"][0]["tensors"]["mm"]
+    assert stats["shape"] == [4, 8] and stats["dtype"] == "float32" and stats["nan"] == 0
+    assert stats["max"] == pytest.approx(float((x @ w).max()), rel=1e-6)
+
+
+def test_dump_filters_steps_ops_nodes_and_stage(tmp_path: Path) -> None:
+    # (run as it is, relu's input is dead: the inplace pass made it relu_)
+    graph, _ = _dump(tmp_path / "a", calls=3, steps=[1], ops=["aten.mm", "aten.relu_.default"])
+    idx = _index(graph)
+    assert [c["call"] for c in idx["calls"]] == [1] and not (graph / "call_00000.pt").exists()
+    assert sorted(torch.load(graph / "call_00001.pt", weights_only=True)) == ["mm", "relu"]
+    assert sorted(n["name"] for n in idx["nodes"]) == ["mm", "relu"]
+    graph, _ = _dump(tmp_path / "b", nodes=["mean*", "arg1_*"], data_dump_stage="original")
+    idx = _index(graph)
+    assert idx["stage"] == "original"
+    assert sorted(torch.load(graph / "call_00000.pt", weights_only=True)) == ["arg1_1", "mean"]
+    # stage original keeps what the passes removed
+    graph, _ = _dump(tmp_path / "c", data_dump_stage="original")
+    assert "add" in [n["name"] for n in _index(graph)["nodes"]]
+
+
+def test_dump_off_leaves_the_compiled_graph_alone(tmp_path: Path) -> None:
+    os.chdir(tmp_path)
+    f = torch.compile(_f, backend="graphgear", options={"force_eager": True})
+    f(torch.randn(4, 8), torch.randn(8, 8))
+    assert list(tmp_path.iterdir()) == []
+    import gc
+
+    assert not any(type(o) is DataDumper for o in gc.get_objects())
+    assert _rec().compiles == 1
+
+
+def test_dump_keeps_input_mutations(tmp_path: Path) -> None:
+    def write(cache: torch.Tensor, pos: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        cache.index_copy_(0, pos, k)
+        return cache.sum(0)
+
+    cache, ref = torch.zeros(6, 4), torch.zeros(6, 4)
+    f = torch.compile(write, backend="graphgear", options={
+        "dump_tensor_data": True, "data_dump_dir": str(tmp_path), "mode": "reduce-overhead"})
+    for p in range(3):
+        k = torch.randn(1, 4)
+        assert_close(f(cache, torch.tensor([p]), k), write(ref, torch.tensor([p]), k))
+    assert_close(cache, ref)
+
+
+def test_compare_dumps_and_the_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = (torch.randn(4, 8), torch.randn(8, 8))
+    a, _ = _dump(tmp_path / "a", args=args)
+    graphgear.reset()
+    torch.compiler.reset()
+    b, _ = _dump(tmp_path / "b", args=args)
+    report = compare_dumps(str(tmp_path / "a"), str(tmp_path / "b"))
+    assert not report.diverged and report.compared == len(_index(a)["nodes"])
+    assert main(["compare", str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    assert "no divergence" in capsys.readouterr().out
+    # plant a divergence in b's dump of relu: it is the first
+    t = torch.load(b / "call_00000.pt", weights_only=True)
+    t["relu"] = t["relu"] * (1 + 1e-3)
+    torch.save(t, b / "call_00000.pt")
+    report = compare_dumps(str(tmp_path / "a"), str(tmp_path / "b"))
+    assert report.first is not None and report.first.node == "relu" and report.first.op == "aten.relu_"
+    assert main(["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--top", "2"]) == 1
+    out = capsys.readouterr().out
+    assert "first divergent node: relu (aten.relu_)" in out and "in _f: return torch.relu(b)" in out
+    assert main(["compare", str(tmp_path), str(tmp_path / "b")]) == 2
+    assert "holds no data dump" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--rtol", "-1"])
+
+
+# ---- the planted case: a user pass perturbs one op of a transformers decoder by 1e-3 --------
+
+
+def _perturb_one_mm(gm: torch.fx.GraphModule, example_inputs: Any, config: Any) -> None:
+    """Scale the input of the fifth matrix product by 1 + 1e-3 (the product keeps its
+    node name: the one compare must find)."""
+    mms = [n for n in gm.graph.nodes if n.op == "call_function" and str(n.target) in ("aten.mm.default",
+                                                                                        "aten.addmm.default")]
+    node = mms[4]
+    i = 0 if node.target == torch.ops.aten.mm.default else 1
+    with gm.graph.inserting_before(node):
+        scaled = gm.graph.call_function(torch.ops.aten.mul.Tensor, (node.args[i], 1 + 1e-3))
+    node.args = (*node.args[:i], scaled, *node.args[i + 1:])
+    _perturb_one_mm.names.append(node.name)  # type: ignore[attr-defined]
+
+
+@pytest.mark.slow
+@pytest.mark.inductor
+@pytest.mark.parametrize("mode", ["max-autotune", "reduce-overhead"])
+def test_compare_finds_a_perturbed_op_in_a_llama_decoder(mode: str, tmp_path: Path) -> None:
+    from tests.models import hf_llama
+
+    torch.manual_seed(0)
+    model = hf_llama()
+    ids = torch.randint(0, 128, (1, 8))
+    _perturb_one_mm.names = []  # type: ignore[attr-defined]
+
+    def logits(input_ids: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=input_ids, use_cache=False).logits
+
+    report = compare(logits, [ids], mode=mode, options={"post_grad_custom_post_pass": _perturb_one_mm},
+                     workdir=str(tmp_path))
+    assert report.diverged and report.output_diverged
+    planted = set(_perturb_one_mm.names)  # type: ignore[attr-defined]
+    assert report.first is not None and report.first.node in planted, str(report)
+    assert report.first.op in ("aten.mm", "aten.addmm") and "modeling_llama.py" in report.first.source
+    assert 1e-4 < report.first.rel < 1e-2
+    # without the pass: nothing diverges node by node
+    clean = compare(logits, [ids], mode=mode)
+    assert clean.first is None, str(clean)
+
+
+@pytest.mark.slow
+def test_dump_of_a_llama_decoder_writes_only_the_selected_nodes(tmp_path: Path) -> None:
+    from tests.models import hf_llama
+
+    model = hf_llama()
+    ids = torch.randint(0, 128, (2, 8))
+    f = torch.compile(lambda i: model(input_ids=i, use_cache=False).logits, backend="graphgear",
+                      options={"dump_tensor_data": True, "data_dump_dir": str(tmp_path), "ops": ["aten.mm"],
+                               "nodes": ["mm_1*", "mm_2"]})
+    with torch.no_grad():
+        assert_close(f(ids), model(input_ids=ids, use_cache=False).logits, reduction=4096)
+    (graph,) = [d for d in tmp_path.iterdir() if d.is_dir()]
+    kept = torch.load(graph / "call_00000.pt", weights_only=True)
+    assert kept and all(k == "mm_2" or k.startswith("mm_1") for k in kept)
+    assert {n["op"] for n in _index(graph)["nodes"]} == {"aten.mm"}
