@@ -24,10 +24,14 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
-import graphgear
 from graphgear.cache.store import use_private_inductor_cache
+
+use_private_inductor_cache()  # before torch: importing torch._dynamo fixes the cache folder
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+import graphgear  # noqa: E402
 
 
 def _model() -> Any:
@@ -46,8 +50,6 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--ops", nargs="+", default=["aten.mm"])
     args = p.parse_args()
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    use_private_inductor_cache()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model = _model()
