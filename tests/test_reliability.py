@@ -1169,7 +1169,7 @@ def test_item17_debug_dumps_do_not_follow_planted_symlinks(tmp_path, caplog) -> 
 def test_item17_dumps_replace_a_link_planted_after_the_check(tmp_path, monkeypatch) -> None:
     """A symlink that appears between the check and the write is replaced, not followed;
     a regular file from an earlier run is overwritten as before."""
-    from graphgear import debug
+    from graphgear import dumpfiles
 
     victim = tmp_path / "victim.txt"
     victim.write_text("precious\n")
@@ -1180,12 +1180,12 @@ def test_item17_dumps_replace_a_link_planted_after_the_check(tmp_path, monkeypat
         os.symlink(victim, path)  # planted after the lstat check
         return real_mkstemp(*args, **kwargs)
 
-    monkeypatch.setattr(debug.tempfile, "mkstemp", racing_mkstemp)
-    assert debug.write_dump(str(path), "dump\n")
+    monkeypatch.setattr(dumpfiles.tempfile, "mkstemp", racing_mkstemp)
+    assert dumpfiles.write_dump(str(path), "dump\n")
     assert victim.read_text() == "precious\n"
     assert not path.is_symlink() and path.read_text() == "dump\n"
-    monkeypatch.setattr(debug.tempfile, "mkstemp", real_mkstemp)
-    assert debug.write_dump(str(path), "again\n") and path.read_text() == "again\n"
+    monkeypatch.setattr(dumpfiles.tempfile, "mkstemp", real_mkstemp)
+    assert dumpfiles.write_dump(str(path), "again\n") and path.read_text() == "again\n"
     assert sorted(os.listdir(tmp_path)) == ["gg_00001_x_final.txt", "victim.txt"]
 
 
