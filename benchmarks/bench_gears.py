@@ -6,8 +6,8 @@ Side by side in one process, on the same stream of sizes, each contender asked f
 - ``torch.compile``: its defaults (Inductor, automatic dynamic shapes),
 - ``torch.compile-dynamic``: ``torch.compile(dynamic=True)``.
 Every step starts from an empty KV cache (``reset_cache()``), so each is an independent
-request: padding writes the padded rows' cache slots, which a later, larger batch would
-read (see "When padding is safe" in the README). Prints, per contender: graphs compiled, dynamo recompiles, eager fallbacks (frames
+request (graphgear puts back the cache slots a padded call's pad rows wrote: see
+docs/concepts/gears.md, "Padding"). Prints, per contender: graphs compiled, dynamo recompiles, eager fallbacks (frames
 dynamo gave up on, graphgear fallbacks), total seconds for the whole stream (compile
 time included), and the max abs difference from eager.
 

@@ -4,8 +4,9 @@ Each script checks its results against eager PyTorch itself (it asserts, prints 
 summary and ``ok``); here each runs in a fresh interpreter with this test's environment:
 the shared private Inductor cache that tests/conftest.py set (``TORCHINDUCTOR_CACHE_DIR``,
 ``graphgear.cache.store.use_private_inductor_cache``), offline Hugging Face, and this
-checkout's ``src`` first on ``PYTHONPATH``. The 2-rank ``torchrun`` examples
-(``ddp_train.py``, ``tp_decode.py``) are not run here.
+checkout's ``src`` first on ``PYTHONPATH``. The 2-rank examples (``ddp_train.py``,
+``tp_decode.py``) run under ``torchrun --standalone --nproc-per-node 2`` (gloo on the CPU, a
+free local port) and must log their summary on both ranks.
 """
 
 from __future__ import annotations
@@ -39,6 +40,18 @@ def _run(script: str) -> str:
     lines = p.stdout.strip().splitlines()
     assert lines and lines[-1] == "ok", f"examples/{script} did not end with 'ok':\n{p.stdout[-3000:]}"
     return p.stdout
+
+
+def _torchrun(script: str, *args: str) -> str:
+    """Run ``torchrun --standalone --nproc-per-node 2 examples/<script> <args>``; assert it
+    exits 0; its stdout and stderr (the examples log to stderr)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(EXAMPLES / script), *args]
+    p = subprocess.run(cmd, cwd=ROOT, env=dict(_env(), OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                       timeout=900)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, f"{' '.join(cmd[2:])} exited {p.returncode}\n{out[-6000:]}"
+    return out
 
 
 def test_a_subprocess_uses_the_suites_inductor_cache() -> None:
@@ -76,3 +89,24 @@ def test_train_loop() -> None:
 def test_cache_restart() -> None:
     out = _run("cache_restart.py")
     assert "cache='hit'" in out and "bit for bit equal" in out, out
+
+
+@pytest.mark.slow  # 2 processes compile
+@pytest.mark.distributed
+@pytest.mark.inductor
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
+def test_ddp_train(mode: str) -> None:
+    out = _torchrun("ddp_train.py", "--mode", mode, "--steps", "2")
+    for rank in (0, 1):
+        assert f"[rank {rank}] step 1: loss" in out and "every gradient equal" in out, out[-3000:]
+        assert f"[rank {rank}] {mode}: " in out and " backward: the DDP optimizer's buckets)" in out, out[-3000:]
+
+
+@pytest.mark.slow  # 2 processes compile
+@pytest.mark.distributed
+@pytest.mark.inductor
+@pytest.mark.parametrize("tp", ["dtensor", "megatron"])
+def test_tp_decode(tp: str) -> None:
+    out = _torchrun("tp_decode.py", "--tp", tp, "--steps", "4")
+    for rank in (0, 1):
+        assert f"[rank {rank}] {tp}: 4 steps at batch 2, logits = 1-rank eager" in out, out[-3000:]

@@ -257,6 +257,113 @@ def test_padding_keeps_padded_mutated_input_in_place(mode: str) -> None:
         assert g.captures == 1
 
 
+class _SlotCache(torch.nn.Module):
+    """A static cache of 8 slots, read and written as ``cache[:batch]`` (a serving
+    engine's batch occupies the first slots)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(8, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = self.cache[: x.shape[0]]
+        rows.add_(x)
+        return rows * 2 + x
+
+
+@pytest.mark.parametrize("mode", ["eager", "reduce-overhead", "max-autotune"])
+def test_padding_puts_back_the_cache_rows_past_the_real_batch(mode: str) -> None:
+    """A padded call writes its pad rows into ``cache[real:gear]``: those rows belong to
+    no request of this call and a later, larger batch reads them. They were refused
+    (``slice`` "from its end") or, in the docs' words, "not checked"; now they are saved
+    and put back, so the cache equals eager's after every call, sizes arriving one call
+    at a time."""
+    model, ref = _SlotCache(), _SlotCache()
+    compiled = torch.compile(model, backend=make_backend(mode, gear_padding=True))
+    with torch.no_grad():
+        for b in [4, 3, 5, 1, 8, 2, 7]:
+            x = geared(torch.randn(b, 4), {0: [1, 2, 4, 8]})
+            assert_close(compiled(x), ref(x), reduction=4)
+            assert_close(model.cache, ref.cache, reduction=4)
+    (g,) = graphgear.stats().graphs
+    assert g.compiles <= 4
+
+
+class _SlotCacheThenGather(_SlotCache):
+    """Writes its slots, then gathers columns ``idx`` (out of range: raises after the write)."""
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        rows = self.cache[: x.shape[0]]
+        rows.add_(x)
+        return (rows * 2).index_select(1, idx)
+
+
+def test_padding_puts_back_the_cache_rows_when_the_call_raises() -> None:
+    """The saved rows go back even when the padded call fails after writing them: the
+    cache then equals eager's after the same failure (real rows written, the rest not)."""
+    model, ref = _SlotCacheThenGather(), _SlotCacheThenGather()
+    compiled = torch.compile(model, backend=make_backend("eager", gear_padding=True))
+    ok, bad = torch.tensor([1]), torch.tensor([9])
+    with torch.no_grad():
+        x = geared(torch.ones(4, 4), {0: [2, 4]})
+        assert_close(compiled(x, ok), ref(x, ok))
+        x = geared(torch.full((3, 4), 2.0), {0: [2, 4]})
+        with pytest.raises((IndexError, RuntimeError)):
+            ref(x, bad)
+        with pytest.raises((IndexError, RuntimeError)):
+            compiled(x, bad)
+    assert torch.equal(model.cache, ref.cache), (model.cache, ref.cache)
+
+
+def test_padding_reads_a_fixed_size_table_sliced_to_the_batch() -> None:
+    """``table[:batch]`` read (not written): row-wise, accepted, and an output of size
+    ``Min(8, batch)`` is sliced back."""
+    table = torch.randn(8, 4)
+
+    def f(x, t):
+        return t[: x.shape[0]] + x, x + t[: x.shape[0]]
+
+    compiled = torch.compile(f, backend=make_backend("eager", gear_padding=True))
+    for b in (4, 3, 1, 6):
+        x = geared(torch.randn(b, 4), {0: [2, 4, 8]})
+        for got, want in zip(compiled(x, table), f(x, table)):
+            assert got.shape == want.shape
+            assert_close(got, want, reduction=4)
+
+
+def test_padding_refuses_a_write_into_a_fixed_size_tensor_the_graph_made() -> None:
+    """``buf[:batch] = x`` into a tensor the graph made, whose every row is read: the pad
+    rows would land in real data. Refused, naming the node."""
+    def f(x):
+        buf = torch.ones(8, 4)
+        buf[: x.shape[0]] = x
+        return buf.sum(0)
+
+    compiled = torch.compile(f, backend=make_backend("eager", gear_padding=True))
+    x = geared(torch.randn(4, 4), {0: [2, 4, 8]})
+    assert_close(compiled(x), f(x), reduction=8)
+    with pytest.raises(GearError, match=r"slice_scatter .*a tensor of fixed size the graph made"):
+        compiled(geared(torch.randn(3, 4), {0: [2, 4, 8]}))
+
+
+@pytest.mark.parametrize("mode", ["eager", "reduce-overhead"])
+def test_padding_a_decoder_with_a_slot_kv_cache_equals_eager(mode: str) -> None:
+    """graphgear's embedded decoder writes its KV cache as ``k_cache[:bsz].index_copy_``:
+    batches arriving one call at a time, without resetting the cache, give eager's logits
+    and eager's cache (every slot, every position) after every call."""
+    torch.manual_seed(0)
+    model = small_decoder()
+    ref = copy.deepcopy(model)
+    compiled = torch.compile(model, backend=make_backend(mode, gear_padding=True))
+    with torch.no_grad():
+        for pos, b in enumerate([8, 3, 5, 1, 6, 8, 2]):
+            tok = geared(torch.randint(0, 128, (b, 1)), {0: [1, 2, 4, 8]})
+            assert_close(compiled(tok, torch.tensor([pos])), ref(tok, torch.tensor([pos])), reduction=128)
+            for mine, theirs in zip(model.layers, ref.layers):
+                assert_close(mine.attn.k_cache, theirs.attn.k_cache, reduction=32)
+                assert_close(mine.attn.v_cache, theirs.attn.v_cache, reduction=32)
+
+
 _READ_ACROSS = {
     "flip": (lambda x: x.flip(0) * 2, "along a padded dim"),
     "softmax": (lambda x: x.softmax(0), "padded dim"),

@@ -125,6 +125,33 @@ def test_inplace_pass_reuses_dead_intermediates() -> None:
     assert "reinplace_intermediates" not in _rec().passes
 
 
+class _SlotCache(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(8, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = self.cache[: x.shape[0]]
+        rows.add_(x)
+        return rows * 2 + x
+
+
+@pytest.mark.parametrize("input_inplace_pass", [True, False])
+def test_inplace_pass_never_writes_a_view_of_an_input(input_inplace_pass: bool) -> None:
+    """``rows = cache[:n]; rows.add_(x); return rows * 2 + x``: after ``reinplace_inputs``
+    the ``slice`` for ``rows * 2`` reads the cache itself, but its fake value still looked
+    like a fresh tensor, so ``inplace_pass`` made ``mul_`` and ``add_`` of it and the
+    cache was written three times (silently wrong: 3 where eager has 1)."""
+    model, ref = _SlotCache(), _SlotCache()
+    f = torch.compile(model, backend="graphgear",
+                      options={"force_eager": True, "input_inplace_pass": input_inplace_pass})
+    with torch.no_grad():
+        for n in (4, 4, 2):
+            x = torch.randn(n, 4)
+            assert_close(f(x), ref(x))
+            assert_close(model.cache, ref.cache)
+
+
 def test_input_inplace_pass_switches_the_kv_cache_write() -> None:
     def write(cache: torch.Tensor, pos: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         cache.index_copy_(0, pos, k)

@@ -20,9 +20,9 @@ from torch import fx
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv, guarding_hint_or_throw, statically_known_true
 
-from ._torch.fx import FakeTensor, FakeTensorMode, tracing, unset_fake_temporarily
+from ._torch.fx import FakeTensor, FakeTensorMode, min_args, tracing, unset_fake_temporarily
 
-__all__ = ["ShapeInfo", "graph_outputs", "scalar_symbols", "size_outputs", "specialize", "sym_dims",
+__all__ = ["ShapeInfo", "graph_outputs", "padded_dims", "scalar_symbols", "size_outputs", "specialize", "sym_dims",
            "symbol_dims", "value_only_symbols", "with_sizes"]
 
 
@@ -38,6 +38,21 @@ def symbol_dims(v: Any, index: dict[Any, int]) -> dict[int, int]:
     """``{dim: index[symbol]}`` for each dim of ``v`` whose size is one of the symbols of
     ``index`` itself (not an expression of it)."""
     return {d: index[e] for d, e in sym_dims(v) if e in index}
+
+
+def padded_dims(v: Any, index: dict[Any, int]) -> dict[int, int]:
+    """``{dim: index[s]}`` for each dim of ``v`` whose size is a geared symbol ``s``, or
+    ``Min(n, s)`` for an int ``n`` (a slice ``t[:s]`` of a dim of fixed size ``n``: its
+    rows are ``s``'s rows as long as ``s`` fits)."""
+    out: dict[int, int] = {}
+    for d, e in sym_dims(v):
+        if e in index:
+            out[d] = index[e]
+        elif (args := min_args(e)) is not None and len(args) == 2:
+            num, sym = sorted(args, key=lambda a: not a.is_Integer)
+            if num.is_Integer and sym in index:
+                out[d] = index[sym]
+    return out
 
 
 @dataclasses.dataclass(frozen=True)

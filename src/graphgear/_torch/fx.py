@@ -137,3 +137,15 @@ def fake_values(gm: torch.fx.GraphModule, example_inputs: Any) -> None:
         prop.propagate_dont_convert_inputs(*example_inputs)
     else:
         prop.propagate(*example_inputs)
+
+
+def min_args(expr: Any) -> tuple[Any, ...] | None:
+    """The arguments of ``expr`` when it is torch's symbolic ``Min`` (the size of ``t[:s]``
+    on a dim of fixed size ``n`` is ``Min(n, s)``), else None.
+
+    ``torch.utils._sympy.functions.Min`` (checked on 2.13): shape environments build
+    their own ``Min``, not ``sympy.Min``. If it moved, gear padding would refuse a call
+    that slices a fixed-size dim (a static KV cache) to the padded size, as it did before."""
+    from torch.utils._sympy.functions import Min
+
+    return tuple(expr.args) if isinstance(expr, Min) else None

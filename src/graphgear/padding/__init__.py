@@ -5,8 +5,8 @@ composes with the dispatch when ``inference_config.gear_padding`` is on;
 :mod:`.outputs` which output dims are sliced back, and which cannot be."""
 
 from .call import GetKey, PaddedBackward, PaddedCall
-from .hazards import PaddingHazard, padding_hazards
+from .hazards import PaddingHazard, RowWrite, padding_checks, padding_hazards
 from .outputs import UnsliceableDim, output_specs, slice_outputs, unsliceable_outputs
 
-__all__ = ["GetKey", "PaddedBackward", "PaddedCall", "PaddingHazard", "UnsliceableDim", "output_specs",
-           "padding_hazards", "slice_outputs", "unsliceable_outputs"]
+__all__ = ["GetKey", "PaddedBackward", "PaddedCall", "PaddingHazard", "RowWrite", "UnsliceableDim", "output_specs",
+           "padding_checks", "padding_hazards", "slice_outputs", "unsliceable_outputs"]

@@ -17,7 +17,7 @@ from .._torch.aot import boxed_convention
 from ..dispatch.facts import GraphFacts
 from ..errors import GearError
 from ..shapes import size_outputs, with_sizes
-from .hazards import padding_hazards
+from .hazards import padding_checks
 from .outputs import output_specs, slice_outputs, unsliceable_outputs
 
 __all__ = ["PaddedBackward", "PaddedCall"]
@@ -39,7 +39,10 @@ class PaddedCall:
     the gear's compiled callable) on zero-padded inputs, slices every caller output dim
     of a grown symbol back, writes the real rows of mutated inputs back, and returns
     the graph's Python int outputs of its sizes at the real sizes. A training forward
-    keeps the outputs saved for its backward at the gear's size."""
+    keeps the outputs saved for its backward at the gear's size. Rows of a graph input
+    past the real size that the padded call writes (a static KV cache written as
+    ``cache[:s]``: :class:`~graphgear.padding.hazards.RowWrite`) are saved before the
+    call and put back after it, even when it raises."""
 
     def __init__(self, gm: fx.GraphModule, facts: GraphFacts, get: GetKey) -> None:
         assert facts.plan is not None
@@ -53,7 +56,7 @@ class PaddedCall:
         self.unsliceable = [u for u in unsliceable_outputs(gm, facts.info) if u.output < n]
         # nodes whose results padding changes: a padded call that grows one of their
         # symbols is refused
-        self.hazards = padding_hazards(gm, facts.info.symbols, set(facts.plan.sym_gears))
+        self.hazards, self.row_writes = padding_checks(gm, facts.info.symbols, set(facts.plan.sym_gears))
         # outputs that are Python ints of the sizes: returned at the real sizes
         self.size_outputs = [(k, v) for k, v in size_outputs(gm) if k < n]
         # padded copies of inputs, one per (thread, argument, gear): a stable address, so
@@ -86,12 +89,32 @@ class PaddedCall:
             return p
 
         new_args = info.args_at(args, target, pad)
-        out = self.get(target)(list(new_args))  # a boxed callee may clear its list
+        saved = self._save_rows(args, grow)
+        try:
+            out = self.get(target)(list(new_args))  # a boxed callee may clear its list
+        finally:
+            for region, rows in saved:
+                region.copy_(rows)
         for j in padded:
             if j in self.facts.mutated:  # write the real rows back into the caller's tensor
                 args[j].copy_(new_args[j][tuple(slice(0, n) for n in args[j].shape)])
         out = slice_outputs(out, self.specs, grow)
         return with_sizes(out, self.size_outputs, info.size_at(key)) if self.size_outputs else out
+
+    def _save_rows(self, args: list[Any], grow: dict[int, tuple[int, int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(region, copy)`` for each input region past the real size that the padded call
+        will write (``self.row_writes``); the caller copies each back after the call."""
+        saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for w in self.row_writes:
+            if w.symbol not in grow:
+                continue
+            real, gear = grow[w.symbol]
+            t = args[w.input]
+            lo, hi = w.start + real, min(w.start + gear, t.shape[w.dim])
+            if hi > lo:
+                region = t.narrow(w.dim, lo, hi - lo)
+                saved.append((region, region.clone()))
+        return saved
 
     def _padded_inputs(self, hit: list[int], grow: dict[int, tuple[int, int]],
                        symbols: bool = False) -> tuple[str, str]:

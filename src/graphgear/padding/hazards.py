@@ -24,6 +24,15 @@ comparisons, or a padding mask: zero-padded, it masks the padded keys), and the
 products of its result. What the mask says is the model's business: a mask that lets
 real queries see the padded keys still gives wrong values.
 
+A slice of a dim of fixed size to the padded size (a static KV cache read or written
+as ``cache[:s]``, ``cache[c:c + s]``) is row-wise: at the gear its pad rows are the rows
+of the tensor past the real size. Where the graph writes into such a slice of a graph
+input (in place, or through ``slice_scatter`` before the copy back), the call is
+accepted and the written rows past the real size are recorded as a :class:`RowWrite`:
+:class:`graphgear.padding.PaddedCall` saves them before the padded call and puts them
+back after it, so the input's state equals an unpadded call's. A write into such a slice
+of a tensor the graph made is refused.
+
 The check knows the op families above; other ops (indexing with tensor indices, custom
 kernels) are taken as row-wise, as before.
 """
@@ -31,6 +40,7 @@ kernels) are taken as row-wise, as before.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Iterable
 from typing import Any
 
@@ -39,9 +49,9 @@ import torch
 from torch import fx
 
 from .._torch.ops import OpOverload, op_name, op_schema
-from ..shapes import symbol_dims
+from ..shapes import padded_dims
 
-__all__ = ["PaddingHazard", "padding_hazards"]
+__all__ = ["PaddingHazard", "RowWrite", "padding_checks", "padding_hazards"]
 
 #: ops whose output loses a reduced dim (or all of them)
 _REDUCTIONS = frozenset({
@@ -85,6 +95,19 @@ class PaddingHazard:
     target: str
     reason: str
     symbols: frozenset[int]  # indices into ShapeInfo.symbols
+
+
+@dataclasses.dataclass(frozen=True)
+class RowWrite:
+    """Graph input ``input`` (a placeholder index) is written at rows ``[start, start +
+    s)`` of its dim ``dim``, of fixed size, where ``s`` is geared symbol ``symbol``: at a
+    gear above the real size of ``s``, the rows from ``start`` + the real size to
+    ``start`` + the gear get the pad rows' values."""
+
+    input: int
+    dim: int
+    start: int
+    symbol: int  # an index into ShapeInfo.symbols
 
 
 def _val(n: Any) -> Any:
@@ -137,7 +160,7 @@ def _as_dims(dim: Any, ndim: int) -> list[int] | None:
 
 
 def _along(padded: dict[int, int], dims: list[int] | None) -> set[int]:
-    """The symbols of the padded dims (``symbol_dims``) among ``dims`` (None: every dim)."""
+    """The symbols of the padded dims (``padded_dims``) among ``dims`` (None: every dim)."""
     return set(padded.values()) if dims is None else {padded[d] for d in dims if d in padded}
 
 
@@ -146,6 +169,8 @@ class _Checker:
         self.gm = gm
         self.index = {symbols[i]: i for i in geared}
         self.found: list[PaddingHazard] = []
+        self.row_writes: list[RowWrite] = []
+        self.inputs = {p: i for i, p in enumerate(gm.graph.find_nodes(op="placeholder"))}
         self.mask_seen: dict[fx.Node, bool] = {}
 
     def hazard(self, node: fx.Node, syms: Iterable[int], reason: str) -> None:
@@ -174,6 +199,8 @@ class _Checker:
         if name in _INDEXING:
             self.indexing(node, name, kw)
             return
+        if name == "slice_scatter" and self.fixed_rows_scatter(node, kw):
+            return
         for a in schema.arguments:
             if str(a.type) in _SHAPE_ARG_TYPES or a.name not in kw:
                 continue
@@ -191,7 +218,7 @@ class _Checker:
             return
         dim = int(kw.get("dim", 0)) % max(src.dim(), 1)
         size = src.shape[dim] if src.dim() else None
-        padded = symbol_dims(src, self.index).get(dim)
+        padded = padded_dims(src, self.index).get(dim)
         if name == "select":
             idx = kw.get("index")
             syms = set(_syms_of(idx, self.index))
@@ -205,6 +232,8 @@ class _Checker:
             if padded is not None and isinstance(start, int) and start < 0:
                 syms.add(padded)
             self.hazard(node, syms, "narrows a padded dim from its end")
+            return
+        if padded is None and self.fixed_rows_slice(node, kw, dim):
             return
         start, end = kw.get("start"), kw.get("end")
         syms = set(_syms_of(start, self.index))
@@ -220,6 +249,53 @@ class _Checker:
                 syms.add(padded)
         self.hazard(node, syms, f"slices a padded dim from its end (start {start}, end {end})")
 
+    # -- a dim of fixed size sliced to the padded size (a static KV cache) -------------
+    def _fixed_rows(self, node: fx.Node, kw: dict[str, Any], dim: int, sized: Any) -> int | None:
+        """The geared symbol ``s`` when ``node`` covers rows ``[start, start + s)`` of dim
+        ``dim`` of its ``self``, a dim of fixed size (``sized``: the tensor whose dim ``dim``
+        has the covered size ``s`` itself); None otherwise."""
+        base = _val(kw.get("self"))
+        start = kw.get("start")
+        start = 0 if start is None else start
+        if not isinstance(base, torch.Tensor) or not isinstance(start, int) or start < 0 or kw.get("step", 1) != 1:
+            return None
+        if dim in padded_dims(base, self.index):
+            return None
+        return padded_dims(sized, self.index).get(dim)
+
+    def fixed_rows_slice(self, node: fx.Node, kw: dict[str, Any], dim: int) -> bool:
+        """``t[c:c + s]`` of a dim of fixed size: row-wise. Written in place (through views):
+        a :class:`RowWrite` where ``t`` is a graph input, a hazard otherwise."""
+        sym = self._fixed_rows(node, kw, dim, _val(node))
+        if sym is None:
+            return False
+        if _written_in_place(node):
+            self.fixed_write(node, kw, dim, sym)
+        return True
+
+    def fixed_rows_scatter(self, node: fx.Node, kw: dict[str, Any]) -> bool:
+        """``slice_scatter(t, src, dim, c, c + s)``, ``src`` of the padded size: the
+        functional form of a write into ``t[c:c + s]``."""
+        base = _val(kw.get("self"))
+        if not isinstance(base, torch.Tensor):
+            return False
+        dim = int(kw.get("dim", 0)) % max(base.dim(), 1)
+        sym = self._fixed_rows(node, kw, dim, _val(kw.get("src")))
+        if sym is None or not (_syms_of(kw.get("end"), self.index) <= {sym}):
+            return False
+        self.fixed_write(node, kw, dim, sym)
+        return True
+
+    def fixed_write(self, node: fx.Node, kw: dict[str, Any], dim: int, sym: int) -> None:
+        base = kw.get("self")
+        start = kw.get("start") or 0
+        if base in self.inputs:
+            self.row_writes.append(RowWrite(self.inputs[base], dim, start, sym))
+        else:
+            self.hazard(node, {sym}, f"writes a slice [{start}:{start} + size] of dim {dim} of a tensor of "
+                                     "fixed size the graph made: the pad rows would land in its rows past the "
+                                     "real size, which real rows may read")
+
     # -- mixing along a padded dim -------------------------------------------------
     def mixing(self, node: fx.Node, name: str, kw: dict[str, Any]) -> None:
         if name in _REDUCTIONS:
@@ -228,18 +304,18 @@ class _Checker:
             if self.masked_scores(node.args[0] if node.args else None, dims):
                 return
             had = {s for a in node.all_input_nodes for v in _tensors(_val(a))
-                   for s in symbol_dims(v, self.index).values()}
-            kept = {s for v in _tensors(_val(node)) for s in symbol_dims(v, self.index).values()}
+                   for s in padded_dims(v, self.index).values()}
+            kept = {s for v in _tensors(_val(node)) for s in padded_dims(v, self.index).values()}
             along = set()
             if isinstance(src, torch.Tensor) and "dim" in kw:
-                along = _along(symbol_dims(src, self.index), dims)
+                along = _along(padded_dims(src, self.index), dims)
             self.hazard(node, (had - kept) | along, "reduces over a padded dim")
         elif name in _ALONG_DIM:
             src = _val(node.args[0]) if node.args else None
             if not isinstance(src, torch.Tensor):
                 return
             dims = _as_dims(kw.get(_ALONG_DIM[name]), src.dim())
-            syms = _along(symbol_dims(src, self.index), dims)
+            syms = _along(padded_dims(src, self.index), dims)
             if syms and "softmax" in name and self.masked_scores(node.args[0], dims):
                 return
             self.hazard(node, syms, f"mixes or reorders values along a padded dim ({name})")
@@ -247,7 +323,7 @@ class _Checker:
             left, right = (_val(kw.get(a)) for a in _PRODUCTS[name])
             if not isinstance(left, torch.Tensor) or not isinstance(right, torch.Tensor):
                 return
-            k = symbol_dims(left, self.index).get(left.dim() - 1)
+            k = padded_dims(left, self.index).get(left.dim() - 1)
             if k is None or self.masked_scores(kw.get(_PRODUCTS[name][0]), [left.dim() - 1]):
                 return
             self.hazard(node, {k}, "a matrix product contracts over a padded dim")
@@ -256,7 +332,7 @@ class _Checker:
             key = _val(kw.get(k_arg))
             if not isinstance(key, torch.Tensor) or key.dim() < 2:
                 return
-            s = symbol_dims(key, self.index).get(key.dim() - 2)
+            s = padded_dims(key, self.index).get(key.dim() - 2)
             masked = (mask_arg is not None and kw.get(mask_arg) is not None) or bool(kw.get(causal_arg))
             if s is not None and not masked:
                 self.hazard(node, {s}, "attention over padded keys with neither a mask nor is_causal")
@@ -264,19 +340,19 @@ class _Checker:
             src = _val(kw.get("input"))
             if isinstance(src, torch.Tensor):
                 n = len(kw.get("normalized_shape") or ())
-                pd = symbol_dims(src, self.index)
+                pd = padded_dims(src, self.index)
                 self.hazard(node, {s for d, s in pd.items() if d >= src.dim() - n},
                             "a layer norm over a padded dim")
         elif name == "native_group_norm":
             src = _val(kw.get("input"))
             if isinstance(src, torch.Tensor):
-                self.hazard(node, {s for d, s in symbol_dims(src, self.index).items() if d >= 1},
+                self.hazard(node, {s for d, s in padded_dims(src, self.index).items() if d >= 1},
                             "a group norm over a padded dim")
         elif name in ("native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_functional",
                       "batch_norm"):
             src = _val(kw.get("input"))
             if isinstance(src, torch.Tensor) and kw.get("training"):
-                self.hazard(node, {s for d, s in symbol_dims(src, self.index).items() if d != 1},
+                self.hazard(node, {s for d, s in padded_dims(src, self.index).items() if d != 1},
                             "batch norm in training reduces over a padded dim")
 
     def masked_scores(self, x: Any, dims: set[int] | list[int] | None) -> bool:
@@ -287,7 +363,7 @@ class _Checker:
         v = _val(x)
         if not isinstance(x, fx.Node) or not isinstance(v, torch.Tensor) or v.dim() < 2:
             return False
-        if dims is None or set(dims) != {v.dim() - 1} or len(symbol_dims(v, self.index)) < 2:
+        if dims is None or set(dims) != {v.dim() - 1} or len(padded_dims(v, self.index)) < 2:
             return False
         if x in self.mask_seen:
             return self.mask_seen[x]
@@ -307,11 +383,43 @@ class _Checker:
         return found
 
 
+def _written_in_place(node: fx.Node, depth: int = 0) -> bool:
+    """Whether an op writes ``node``'s value in place, directly or through a view of it."""
+    for user in node.users:
+        if user.op != "call_function":
+            continue
+        if user.target is operator.getitem:  # an element of a view op's tuple (unbind, split)
+            if depth < 8 and _written_in_place(user, depth + 1):
+                return True
+            continue
+        if not isinstance(user.target, OpOverload):
+            continue
+        schema = op_schema(user.target)
+        for i, a in enumerate(schema.arguments):
+            v = user.args[i] if i < len(user.args) else user.kwargs.get(a.name)
+            if v is not node or a.alias_info is None:
+                continue
+            if a.alias_info.is_write:
+                return True
+            if depth < 8 and _written_in_place(user, depth + 1):  # a view: its writes are ours
+                return True
+    return False
+
+
+def padding_checks(gm: fx.GraphModule, symbols: list[Any],
+                   geared: Iterable[int]) -> tuple[list[PaddingHazard], list[RowWrite]]:
+    """The nodes of ``gm`` whose result changes when the ``geared`` symbols (indices into
+    ``symbols``) are zero-padded, and the rows of graph inputs past the real size that a
+    padded call writes (see the module docstring)."""
+    geared = [i for i in geared if isinstance(symbols[i], sympy.Symbol)]
+    if not geared:
+        return [], []
+    checker = _Checker(gm, symbols, geared)
+    return checker.run(), checker.row_writes
+
+
 def padding_hazards(gm: fx.GraphModule, symbols: list[Any], geared: Iterable[int]) -> list[PaddingHazard]:
     """Every node of ``gm`` whose result changes when the ``geared`` symbols (indices
     into ``symbols``) are zero-padded (see the module docstring)."""
-    geared = [i for i in geared if isinstance(symbols[i], sympy.Symbol)]
-    if not geared:
-        return []
-    return _Checker(gm, symbols, geared).run()
+    return padding_checks(gm, symbols, geared)[0]
 
