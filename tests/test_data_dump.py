@@ -3,6 +3,7 @@ read back, and finding a planted divergence."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from pathlib import Path
@@ -183,3 +184,58 @@ def test_dump_of_a_llama_decoder_writes_only_the_selected_nodes(tmp_path: Path) 
     kept = torch.load(graph / "call_00000.pt", weights_only=True)
     assert kept and all(k == "mm_2" or k.startswith("mm_1") for k in kept)
     assert {n["op"] for n in _index(graph)["nodes"]} == {"aten.mm"}
+
+
+@pytest.mark.inductor
+def test_compare_a_decoder_with_a_kv_cache_in_its_buffers(tmp_path: Path) -> None:
+    """A decode step writes its KV cache: each of compare's four runs starts from the
+    same cache (else the dumps would differ by the cache, not by a pass), the compiled
+    run's cache writes are compared with eager's, and the model is left as one eager
+    step leaves it."""
+    from tests.models import small_decoder
+
+    torch.manual_seed(0)
+    model = small_decoder()
+    ref = copy.deepcopy(model)
+    tok, pos = torch.randint(0, 128, (2, 1)), torch.tensor([0])
+    with torch.no_grad():
+        ref(tok, pos)
+    clean = compare(model, [tok, pos], mode="max-autotune", workdir=str(tmp_path / "clean"))
+    assert not clean.diverged, str(clean)
+    for mine, theirs in zip(model.buffers(), ref.buffers()):
+        assert torch.equal(mine, theirs)
+    _perturb_one_mm.names = []  # type: ignore[attr-defined]
+    report = compare(model, [tok, pos], mode="max-autotune", options={"post_grad_custom_post_pass": _perturb_one_mm},
+                     workdir=str(tmp_path / "bad"))
+    assert report.first is not None and report.first.node in _perturb_one_mm.names, str(report)  # type: ignore[attr-defined]
+    with pytest.raises(graphgear.ConfigError, match="takes tensors"):
+        compare(model, [tok, pos], state=[model])  # type: ignore[list-item]
+
+
+class _Accumulator(torch.nn.Module):
+    """State that each call changes (a write at the same KV position is idempotent; this is not)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("total", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.total.add_(x.sum(0))
+        return x * self.total
+
+
+def test_compare_starts_every_run_from_the_same_state(tmp_path: Path) -> None:
+    """Without putting the buffer back, the compiled run saw twice the eager run's total
+    and compare reported a divergence that no pass made."""
+    model, x = _Accumulator(), torch.randn(3, 4)
+    report = compare(model, [x], mode="reduce-overhead", workdir=str(tmp_path))
+    assert not report.diverged, str(report)
+    assert_close(model.total, x.sum(0))  # as one eager call leaves it
+    state = torch.zeros(4)
+
+    def fn(y: torch.Tensor) -> torch.Tensor:  # state in a closure: named with state=
+        state.add_(y.sum(0))
+        return y * state
+
+    assert not compare(fn, [x], mode="reduce-overhead", state=[state], workdir=str(tmp_path / "fn")).diverged
+    assert_close(state, x.sum(0))

@@ -90,7 +90,7 @@ class CompareReport:
             lines += ["worst nodes:", text_table(["node", "op", "max abs", "relative", "diverged", "source"],
                                                  rows)]
         if self.output_max_abs is not None:
-            lines.append(f"compiled output vs eager: max abs error {self.output_max_abs:.3g}, relative "
+            lines.append(f"compiled outputs and written state vs eager: max abs error {self.output_max_abs:.3g}, relative "
                          f"{self.output_rel:.3g}{' (diverged)' if self.output_diverged else ''}")
         if self.unmatched:
             lines.append(f"{len(self.unmatched)} reference node outputs have no counterpart (passes removed "
@@ -187,24 +187,56 @@ def _options(config: CompilerConfig) -> dict[str, Any]:
     return dict(iter(config))
 
 
+def _state_tensors(model: Any, inputs: Sequence[Any], state: Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
+    """The tensors a run may write in place, restored before each of :func:`compare`'s
+    runs: ``state`` when given, else the tensors in ``inputs`` and, for a module, its
+    buffers (a KV cache kept in buffers)."""
+    if state is not None:
+        bad = [type(t).__name__ for t in state if not isinstance(t, torch.Tensor)]
+        if bad:
+            raise ConfigError(f"graphgear: compare(state=...) takes tensors; got {', '.join(bad)}. Pass the "
+                              "tensors the model writes in place (for a transformers StaticCache: its "
+                              "layers' keys and values).")
+        return list(state)
+    out = _flat(list(inputs))
+    if isinstance(model, torch.nn.Module):
+        out += list(model.buffers())
+    return out
+
+
 def compare(model: Callable[..., Any], inputs: Sequence[Any], *, config: CompilerConfig | None = None,
             mode: str | None = None, options: dict[str, Any] | None = None, atol: float = DEFAULT_ATOL,
-            rtol: float = DEFAULT_RTOL, top: int = 5, workdir: str | None = None) -> CompareReport:
+            rtol: float = DEFAULT_RTOL, top: int = 5, workdir: str | None = None,
+            state: Sequence[torch.Tensor] | None = None) -> CompareReport:
     """Run ``model(*inputs)`` eagerly and through graphgear in ``config``'s mode (``mode``
     and ``options`` change it), compare the outputs, then dump and compare every node of
     the graphs before and after graphgear's passes (see the module docstring); returns
-    the report (``report.diverged``). ``model`` must give the same result each call (no
-    state carried between calls, such as a KV cache). The dumps go to ``workdir`` (kept)
-    or a temporary folder (removed). Calls ``torch.compiler.reset()`` before each compile."""
+    the report (``report.diverged``). Each of the four runs starts from the same state:
+    the tensors in ``state`` (default: the tensors among ``inputs`` and, for a module,
+    its buffers, where a KV cache lives) are copied before the first run, put back
+    before each later one, and left as the eager run wrote them. State kept elsewhere
+    (a transformers ``StaticCache`` object, a closure) needs ``state=``. The dumps go to
+    ``workdir`` (kept) or a temporary folder (removed). Calls ``torch.compiler.reset()``
+    before each compile."""
     config = (config or CompilerConfig()).copy()
     if mode is not None:
         config.mode = mode
     apply_options(config, options)
     inputs = list(inputs)
+    tensors = _state_tensors(model, inputs, state)
     with torch.no_grad():
-        expected = _flat(model(*inputs))
+        start = [t.clone() for t in tensors]
+
+        def restore() -> None:
+            for t, v in zip(tensors, start):
+                t.copy_(v)
+
+        expected = [t.clone() for t in _flat(model(*inputs))]
+        after_eager = [t.clone() for t in tensors]
+        restore()
         torch.compiler.reset()
-        got = _flat(torch.compile(model, backend="graphgear", options=_options(config))(*inputs))
+        got = [t.clone() for t in _flat(torch.compile(model, backend="graphgear", options=_options(config))(*inputs))]
+        state_diff = [_diff(e, t, atol, rtol) for e, t in zip(after_eager, tensors)]
         with tempfile.TemporaryDirectory(prefix="graphgear-compare-") as tmp:
             root = workdir or tmp
             folders = {}
@@ -215,13 +247,18 @@ def compare(model: Callable[..., Any], inputs: Sequence[Any], *, config: Compile
                 folders[stage] = os.path.join(root, stage)
                 apply_options(dumped, {"debug.data_dump.enabled": True, "debug.data_dump.stage": stage,
                                        "debug.data_dump.path": folders[stage]})
+                restore()
                 torch.compiler.reset()
                 torch.compile(model, backend="graphgear", options=_options(dumped))(*inputs)
             torch.compiler.reset()
+            for t, v in zip(tensors, after_eager):
+                t.copy_(v)
             report = compare_dumps(folders["original"], folders["optimized"], atol=atol, rtol=rtol, top=top)
     worst = (0.0, 0.0, False)
     for e, g in zip(expected, got):
         d = _diff(e.detach().cpu(), g.detach().cpu(), atol, rtol)
+        worst = (max(worst[0], d[0]), max(worst[1], d[1]), worst[2] or d[2])
+    for d in state_diff:  # what the compiled run wrote into the state vs the eager run
         worst = (max(worst[0], d[0]), max(worst[1], d[1]), worst[2] or d[2])
     report.output_max_abs, report.output_rel, report.output_diverged = worst
     if len(expected) != len(got):
