@@ -92,12 +92,12 @@ class PaddedCall:
         saved = self._save_rows(args, grow)
         try:
             out = self.get(target)(list(new_args))  # a boxed callee may clear its list
-        finally:
+            for j in padded:
+                if j in self.facts.mutated:  # write the real rows back into the caller's tensor
+                    args[j].copy_(new_args[j][tuple(slice(0, n) for n in args[j].shape)])
+        finally:  # after the write-back: it copies whole padded inputs
             for region, rows in saved:
                 region.copy_(rows)
-        for j in padded:
-            if j in self.facts.mutated:  # write the real rows back into the caller's tensor
-                args[j].copy_(new_args[j][tuple(slice(0, n) for n in args[j].shape)])
         out = slice_outputs(out, self.specs, grow)
         return with_sizes(out, self.size_outputs, info.size_at(key)) if self.size_outputs else out
 
