@@ -130,15 +130,15 @@ def test_compare_dumps_and_the_cli(tmp_path: Path, capsys: pytest.CaptureFixture
 # ---- the planted case: a user pass perturbs one op of a transformers decoder by 1e-3 --------
 
 
-def _perturb_one_mm(gm: torch.fx.GraphModule, example_inputs: Any, config: Any) -> None:
-    """Scale the input of the fifth matrix product by 1 + 1e-3 (the product keeps its
+def _perturb_one_mm(gm: torch.fx.GraphModule, example_inputs: Any, config: Any, factor: float = 1 + 1e-3) -> None:
+    """Scale the input of the fifth matrix product by ``factor`` (the product keeps its
     node name: the one compare must find)."""
     mms = [n for n in gm.graph.nodes if n.op == "call_function" and str(n.target) in ("aten.mm.default",
                                                                                         "aten.addmm.default")]
     node = mms[4]
     i = 0 if node.target == torch.ops.aten.mm.default else 1
     with gm.graph.inserting_before(node):
-        scaled = gm.graph.call_function(torch.ops.aten.mul.Tensor, (node.args[i], 1 + 1e-3))
+        scaled = gm.graph.call_function(torch.ops.aten.mul.Tensor, (node.args[i], factor))
     node.args = (*node.args[:i], scaled, *node.args[i + 1:])
     _perturb_one_mm.names.append(node.name)  # type: ignore[attr-defined]
 
@@ -167,6 +167,55 @@ def test_compare_finds_a_perturbed_op_in_a_llama_decoder(mode: str, tmp_path: Pa
     # without the pass: nothing diverges node by node
     clean = compare(logits, [ids], mode=mode)
     assert clean.first is None, str(clean)
+
+
+@pytest.mark.slow
+@pytest.mark.inductor
+def test_compare_of_a_bfloat16_llama_tells_rounding_from_a_divergence(tmp_path: Path) -> None:
+    """A correct bfloat16 model differs from eager by its rounding (compiled kernels round
+    once where eager rounds after every op: 0.7 eps of the logits' scale): no divergence in
+    either mode, where a float32 tolerance reported one. A perturbation of one product by
+    25 % is still found, at that product."""
+    from tests.models import hf_llama
+
+    torch.manual_seed(0)
+    model = hf_llama().to(torch.bfloat16)
+    ids = torch.randint(0, 128, (1, 8))
+
+    def logits(input_ids: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=input_ids, use_cache=False).logits
+
+    for mode in ("max-autotune", "reduce-overhead"):
+        clean = compare(logits, [ids], mode=mode, workdir=str(tmp_path / mode))
+        assert not clean.diverged, str(clean)
+        assert clean.output_max_abs is not None and clean.output_max_abs > 0  # the compiled code ran
+    _perturb_one_mm.names = []  # type: ignore[attr-defined]
+
+    def perturb(gm: torch.fx.GraphModule, example_inputs: Any, config: Any) -> None:
+        _perturb_one_mm(gm, example_inputs, config, factor=1.25)
+
+    report = compare(logits, [ids], mode="max-autotune", options={"post_grad_custom_post_pass": perturb},
+                     workdir=str(tmp_path / "bad"))
+    assert report.diverged and report.first is not None, str(report)
+    assert report.first.node in _perturb_one_mm.names, str(report)  # type: ignore[attr-defined]
+    # end to end the 25 % is damped to about 3 eps of the logits' scale: below the floor of
+    # 4 eps that keeps a correct model from diverging, yet far above the clean run's error
+    assert report.output_rel is not None and clean.output_rel is not None
+    assert report.output_rel > 3 * clean.output_rel, str(report)
+
+
+@pytest.mark.inductor
+def test_compare_in_reduce_overhead_compares_the_replayed_graph(tmp_path: Path) -> None:
+    """reduce-overhead runs a graph uncaptured for its warm-up; compare compared only
+    that first call, so the captured code was never checked. It now calls until the
+    graph has replayed, each call from the same state."""
+    model, x = _Accumulator(), torch.randn(3, 4)
+    report = compare(model, [x], mode="reduce-overhead", options={"capture_config.warmup_iters": 2},
+                     workdir=str(tmp_path))
+    assert not report.diverged, str(report)
+    ran = [g for g in graphgear.stats().graphs if g.mode == "reduce-overhead" and g.captures]
+    assert ran and ran[0].replays >= 1 and ran[0].captures == 1, graphgear.stats()
+    assert_close(model.total, x.sum(0))
 
 
 @pytest.mark.slow

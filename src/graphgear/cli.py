@@ -116,8 +116,10 @@ def _parser() -> argparse.ArgumentParser:
         "compares a model's graphs before and after graphgear's passes in one call.")
     k.add_argument("reference", help="the reference dump folder (e.g. stage 'original', or eager)")
     k.add_argument("other", help="the dump folder to check against it")
-    k.add_argument("--atol", type=float, default=1e-5, help="absolute tolerance (default 1e-5)")
-    k.add_argument("--rtol", type=float, default=1e-4, help="relative tolerance (default 1e-4)")
+    k.add_argument("--atol", type=float, default=1e-5,
+                   help="absolute tolerance (default 1e-5; never below 4 eps of the dtype times the largest value)")
+    k.add_argument("--rtol", type=float, default=1e-4,
+                   help="relative tolerance (default 1e-4; never below 4 eps of the dtype)")
     k.add_argument("--top", type=positive_int, default=5, help="how many of the worst nodes to list (default 5)")
     return parser
 
