@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +101,41 @@ def test_dump_keeps_input_mutations(tmp_path: Path) -> None:
         k = torch.randn(1, 4)
         assert_close(f(cache, torch.tensor([p]), k), write(ref, torch.tensor([p]), k))
     assert_close(cache, ref)
+
+
+def test_dump_from_threads_indexes_every_call(tmp_path: Path) -> None:
+    """Four threads call one dumped graph: every call has its file and its index entry
+    (the index is written under the dumper's lock), in call order, each with the outputs
+    of its own inputs."""
+    w = torch.randn(8, 8)
+    xs = [torch.randn(4, 8) for _ in range(24)]
+    compiled = torch.compile(_f, backend="graphgear", options={
+        "dump_tensor_data": True, "data_dump_dir": str(tmp_path), "force_eager": True})
+    compiled(xs[0], w)  # compiled before the threads start
+    errors: list[BaseException] = []
+
+    def work(part: list[torch.Tensor]) -> None:
+        try:
+            for x in part:
+                assert_close(compiled(x, w), _f(x, w), reduction=8)
+        except BaseException as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(xs[1 + i::4],)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    (graph,) = [d for d in tmp_path.iterdir() if d.is_dir()]
+    calls = _index(graph)["calls"]
+    assert [c["call"] for c in calls] == list(range(24))
+    seen = set()
+    for c in calls:
+        kept = torch.load(graph / c["file"], weights_only=True)
+        assert_close(kept["mm"], kept["arg0_1"] @ kept["arg1_1"], reduction=8)
+        seen.add(tuple(kept["arg0_1"].flatten()[:4].tolist()))
+    assert len(seen) == 24  # each call dumped its own inputs
 
 
 def test_compare_dumps_and_the_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -144,11 +144,11 @@ class DataDumper:
         buf = io.BytesIO()
         torch.save(rec.kept, buf)
         if write_dump(os.path.join(self.folder, name), buf.getvalue()):
-            with self._lock:
-                self.index["calls"].append({"call": call, "file": name,
-                                            "tensors": {k: tensor_stats(v) for k, v in rec.kept.items()}})
-                text = json.dumps(self.index, indent=1)
-            write_dump(os.path.join(self.folder, INDEX), text)
+            entry = {"call": call, "file": name, "tensors": {k: tensor_stats(v) for k, v in rec.kept.items()}}
+            with self._lock:  # written under the lock: a thread's older index never lands last
+                self.index["calls"].append(entry)
+                self.index["calls"].sort(key=lambda c: c["call"])
+                write_dump(os.path.join(self.folder, INDEX), json.dumps(self.index, indent=1))
             log.info("graphgear: data dump of %s call %d: %d tensors in %s", self.index["graph"], call,
                      len(rec.kept), self.folder)
         return out
