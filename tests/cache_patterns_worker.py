@@ -29,7 +29,7 @@ from tests.models import cache_users  # noqa: E402
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("pattern", choices=["method", "function", "module", "hf-closure", "hf-forward"])
+    p.add_argument("pattern", choices=["method", "function", "module", "host-read", "hf-closure", "hf-forward"])
     p.add_argument("--mode", default="max-autotune")
     p.add_argument("--dir", required=True)
     p.add_argument("--sizes", default="4,2,8")
@@ -51,8 +51,8 @@ def main() -> None:
     if a.pattern == "method":
         model = cache_users.SelfCachedMLP(cfg, a.dir).eval()
         served, eager = model, model._forward
-    elif a.pattern == "module":
-        model = cache_users.MLP().eval()
+    elif a.pattern in ("module", "host-read"):
+        model = (cache_users.MLP() if a.pattern == "module" else cache_users.HostReadMLP()).eval()
         served, eager = cache_compile(model, config=cfg, cache_dir=a.dir), model
     elif a.pattern == "function":
         served = cache_compile(cache_users.mlp_function, config=cfg, cache_dir=a.dir)
@@ -85,7 +85,8 @@ def main() -> None:
     counters = torch._dynamo.utils.counters
     print(json.dumps({"calls": calls, "ready_s": ready_s,
                       "records": [{"name": r.name, "cache": r.cache, "reason": r.cache_reason,
-                                   "loaded_keys": r.loaded_keys}
+                                   "loaded_keys": r.loaded_keys, "compiles": r.compiles,
+                                   "pieces": len(r.pieces), "replays": r.replays}
                                   for r in graphgear.stats().graphs],
                       "unique_graphs": counters["stats"]["unique_graphs"],
                       "frames_ok": counters["frames"]["ok"],

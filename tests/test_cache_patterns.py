@@ -62,6 +62,68 @@ def test_second_process_serves_every_gear(tmp_path: Path, pattern: str, sizes: s
     _assert_served_from_cache(first, _run(folder, pattern, mode, sizes))
 
 
+@pytest.mark.inductor
+@pytest.mark.parametrize("mode", MODES)
+def test_second_process_serves_a_graph_with_a_host_read(tmp_path: Path, mode: str) -> None:
+    """``.item()`` in the middle of the step. The entry held the shape env's record of
+    where the unbacked size was made (a ``CapturedTraceback``), which the allow-list
+    refused: every later process compiled again. In reduce-overhead the graph is captured
+    in two pieces per key, and their code is stored and loaded too (it compiled again)."""
+    folder = _folder(tmp_path)
+    first = _run(folder, "host-read", mode, "4,2,8,4,2,8,4")
+    second = _run(folder, "host-read", mode, "4,2,8,4,2,8,4")
+    _assert_served_from_cache(first, second)
+    (rec,) = second["records"]
+    assert rec["compiles"] == 0 and rec["loaded_keys"] == 3, second["log"][-3000:]
+    if mode == "reduce-overhead":
+        assert first["records"][0]["pieces"] == rec["pieces"] == 2
+        assert rec["replays"] > 0  # the loaded pieces were captured and replayed
+
+
+@pytest.mark.inductor
+def test_stored_pieces_cut_otherwise_compile_again_with_a_warning(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Stored pieces are used only where the graph is cut into the same pieces (ops and
+    inputs per piece); otherwise they compile, with a warning, and the outputs are right."""
+    from graphgear.compilers import reduce_overhead
+    from tests.models.cache_users import HostReadMLP
+
+    folder = _folder(tmp_path)
+    cfg = graphgear.CompilerConfig()
+    cfg.mode = "reduce-overhead"
+    model = HostReadMLP().eval()
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        want = model(x)
+    first = cache_compile(model, config=cfg, cache_dir=str(folder))
+    for _ in range(3):
+        torch.testing.assert_close(first(x), want)
+    assert graphgear.stats().graphs[-1].cache == "stored"
+    torch.compiler.reset()
+    graphgear.reset()
+    # the same cut: a hit, the pieces' code loaded (the graph has no gears: a static key,
+    # cut again from the graph rebuilt from the entry)
+    again = cache_compile(model, config=cfg, cache_dir=str(folder))
+    with caplog.at_level(logging.INFO, logger="graphgear.compilers.reduce_overhead"):
+        for _ in range(3):
+            torch.testing.assert_close(again(x), want)
+    assert "captured in 2 pieces" in caplog.text and "their code loaded from the compile cache" in caplog.text
+    caplog.clear()
+    rec = graphgear.stats().graphs[-1]
+    assert (rec.cache, rec.compiles, len(rec.pieces)) == ("hit", 0, 2) and rec.replays > 0, graphgear.stats()
+    torch.compiler.reset()
+    graphgear.reset()
+    real = reduce_overhead.pieces_signature
+    monkeypatch.setattr(reduce_overhead, "pieces_signature", lambda pieces: real(pieces) + " (another cut)")
+    second = cache_compile(model, config=cfg, cache_dir=str(folder))
+    with caplog.at_level(logging.WARNING, logger="graphgear"):
+        for _ in range(3):
+            torch.testing.assert_close(second(x), want)
+    rec = graphgear.stats().graphs[-1]
+    assert rec.cache == "hit" and len(rec.pieces) == 2 and rec.replays > 0
+    assert "was stored cut into other pieces" in caplog.text and "compiling its pieces instead" in caplog.text
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("pattern", ["hf-closure", "hf-forward"])

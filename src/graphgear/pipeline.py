@@ -155,16 +155,16 @@ def _value_only(gm: fx.GraphModule, info: ShapeInfo, plan: GearPlan | None) -> t
 def _stored(ctx: CompileContext, mode: str, key: tuple[int, ...]) -> KeyArtifact | None:
     """The compile cache's code of graph key ``key``, loaded, or None (not stored, or it
     could not be loaded: then the key is compiled as usual)."""
-    if ctx.artifacts is None or mode not in _STORED_KIND or key not in ctx.artifacts.keys:
+    if ctx.artifacts is None or mode not in _STORED_KINDS or key not in ctx.artifacts.keys:
         return None
-    loaded: KeyArtifact | None = ctx.artifacts.load(key, _STORED_KIND[mode], ctx.stage)
+    loaded: KeyArtifact | None = ctx.artifacts.load(key, _STORED_KINDS[mode], ctx.stage)
     if loaded is not None:
         ctx.record.loaded_keys += 1
     return loaded
 
 
-#: the kind of stored code per mode (``artifacts.KeyArtifact.kind``)
-_STORED_KIND = {"reduce-overhead": "static", "max-autotune": "inductor"}
+#: the kinds of stored code per mode (``artifacts.KeyArtifact.kind``)
+_STORED_KINDS = {"reduce-overhead": ("static", "pieces"), "max-autotune": ("inductor",)}
 
 
 def _compile_by_shape(
@@ -205,7 +205,7 @@ def _compile_by_shape(
         def build(key: tuple[int, ...]) -> Callable[..., Any]:
             t0 = time.perf_counter()
             loaded = _stored(ctx, mode, key)
-            if loaded is not None:
+            if loaded is not None and loaded.kind != "pieces":
                 # the key's code is loaded; the dynamic graph stands in for the static
                 # one where the mode compiler runs the FX graph itself (warm-up)
                 fn = _convention(compiler(gm, example_inputs, ctx.for_key(key, loaded)), boxed=True)
@@ -215,10 +215,14 @@ def _compile_by_shape(
             static_gm, static_inputs = specialize(gm, info, key)
             rewire_split_ints(static_gm, gm, split_ints, ctx.config.capture_config.split_ops)
             static_pass_manager(ctx.config).run(static_gm, static_inputs, ctx.config, ctx.record)
-            fn = _convention(compiler(static_gm, static_inputs, ctx.for_key(key)), boxed=True)
-            ctx.record.compiles += 1
+            # stored pieces (a piecewise key) are cut again from the static graph, their
+            # code loaded instead of compiled
+            fn = _convention(compiler(static_gm, static_inputs, ctx.for_key(key, loaded)), boxed=True)
+            if loaded is None:
+                ctx.record.compiles += 1
             ctx.record.compile_seconds += time.perf_counter() - t0
-            log.info("graphgear: %s specialised to key %s", ctx.record.name, key)
+            log.info("graphgear: %s specialised to key %s%s", ctx.record.name, key,
+                     " (its pieces' code loaded from the compile cache)" if loaded is not None else "")
             return fn
 
     facts = _facts(gm, info, plan, ctx, per_key=per_key, tangents=tangents)

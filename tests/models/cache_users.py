@@ -39,6 +39,21 @@ class MLP(torch.nn.Module):
         return self.l2(torch.relu(self.l1(x)))
 
 
+class HostReadMLP(torch.nn.Module):
+    """A host read in the middle of the step (a count the next layer scales by): in
+    reduce-overhead the graph is captured in two pieces around ``.item()``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = torch.nn.Linear(16, 32)
+        self.l2 = torch.nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.l1(x))
+        k = int((h > 0).sum().item()) % 5 + 1
+        return self.l2(h) * k
+
+
 def mlp_function(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """A plain function."""
     return torch.relu(x @ w).sum(-1, keepdim=True) + x[:, :1]

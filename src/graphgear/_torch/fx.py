@@ -130,8 +130,11 @@ def set_backed_size_oblivious(value: bool) -> None:
 
 def fake_values(gm: torch.fx.GraphModule, example_inputs: Any) -> None:
     """Set every node's ``meta["val"]`` by running ``gm`` on fake copies of
-    ``example_inputs`` (in their fake mode, or a new one)."""
-    mode = detect_fake_mode(example_inputs) or FakeTensorMode(allow_non_fake_inputs=True)
+    ``example_inputs`` (in their fake mode, or a new one). The inputs' own mode comes
+    first: ``detect_fake_mode`` prefers the active tracing context's, which is another
+    one while torch loads a compiled function (a graph rebuilt from the compile cache)."""
+    own = next((a.fake_mode for a in example_inputs if isinstance(a, FakeTensor)), None)
+    mode = own or detect_fake_mode(example_inputs) or FakeTensorMode(allow_non_fake_inputs=True)
     prop = FakeTensorProp(gm, mode)
     if all(not isinstance(a, torch.Tensor) or isinstance(a, FakeTensor) for a in example_inputs):
         prop.propagate_dont_convert_inputs(*example_inputs)

@@ -10,8 +10,8 @@ inference, forward or backward graph). It holds:
   mutated inputs, each input's gears);
 * per graph key (a gear, or ``()`` for a static graph), Inductor's compiled graph
   (``CompiledFxGraph``, its generated source and metadata, as AOTAutograd's bundled
-  entries hold it): the code the CPU/CUDA graph captures in reduce-overhead, or the
-  code max-autotune runs. Graphs of ``frozen_parameter`` are not kept per key: their
+  entries hold it): the code the CPU/CUDA graph captures in reduce-overhead (one per
+  captured piece of a piecewise graph), or the code max-autotune runs. Graphs of ``frozen_parameter`` are not kept per key: their
   code holds the weights' values, which are not part of the cache key.
 
 Keys are recorded as they are compiled (``version`` counts them), so an entry stored
@@ -48,7 +48,8 @@ from ..gears import get_dim_gears, set_dim_gears
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SUBSTITUTES", "ArtifactStore", "KeyArtifact", "allowed_global", "cache_tag", "strip_cache_tag"]
+__all__ = ["SUBSTITUTES", "ArtifactStore", "KeyArtifact", "allowed_global", "cache_tag", "pieces_signature",
+           "strip_cache_tag"]
 
 _TAG = re.compile(r"graphgear-cache:[0-9a-f]+;")
 
@@ -63,6 +64,13 @@ def strip_cache_tag(tag: str) -> str:
     """``tag`` without :func:`cache_tag` parts: Inductor's FX graph cache keys of
     graphgear's compiles do not depend on the cache entry."""
     return _TAG.sub("", tag)
+
+
+def pieces_signature(pieces: Sequence[tuple[Sequence[str], int]]) -> str:
+    """The signature of a piecewise graph key's stored code: per captured piece its ops
+    and its number of inputs. A later process uses the stored pieces only where its own
+    cut of the graph has the same signature (else it compiles them)."""
+    return repr([(list(ops), int(n)) for ops, n in pieces])
 
 
 # --------------------------------------------------------------------------- the allow-list
@@ -126,6 +134,9 @@ _ALLOWED: dict[str, frozenset[str]] = {m: frozenset(n.split()) for m, n in {
     "torch.serialization": "_get_layout",
     "torch._utils": "_rebuild_tensor_v2 torch.contiguous_format torch.channels_last torch.channels_last_3d torch.preserve_format",
     "torch.utils._ordered_set": "OrderedSet",
+    # where a graph reads a host value (.item()): the shape env's record of where each
+    # unbacked size was made; it pickles only a frame count (its traceback is dropped)
+    "torch.utils._traceback": "CapturedTraceback",
     "torch.utils._sympy.functions": "FloorDiv ModularIndexing CleanDiv CeilDiv Max Min PythonMod Mod "
                                     "IntTrueDiv FloatTrueDiv Identity Where ToFloat TruncToInt",
     "torch.utils._sympy.numbers": "IntInfinity NegativeIntInfinity",
@@ -159,7 +170,9 @@ def allowed_global(module: str, name: str) -> bool:
 @dataclasses.dataclass
 class KeyArtifact:
     """Inductor's compiled graph of one graph key: ``kind`` ``"static"`` (the code a
-    device graph captures, reduce-overhead) or ``"inductor"`` (max-autotune, with the
+    device graph captures, reduce-overhead), ``"pieces"`` (reduce-overhead's piecewise
+    capture: ``code`` a list, one compiled graph per captured piece, and ``spec`` the
+    pieces' signature, :func:`pieces_signature`) or ``"inductor"`` (max-autotune, with the
     pytree ``spec`` of its outputs when they are nested)."""
 
     kind: str
@@ -204,9 +217,13 @@ class ArtifactStore:
         self.meta = {**meta, "gears": gears}
 
     def record(self, key: tuple[int, ...], kind: str, compiled: Any, spec: str | None = None) -> None:
-        """Keep Inductor's compiled graph of ``key`` (a copy ready to pickle)."""
+        """Keep Inductor's compiled graph of ``key`` (a copy ready to pickle); for kind
+        ``"pieces"``, ``compiled`` is the list of the pieces' compiled graphs."""
         try:
-            disk = inductor_output_for_disk(compiled)
+            if kind == "pieces":
+                disk: Any = [inductor_output_for_disk(c) for c in compiled]
+            else:
+                disk = inductor_output_for_disk(compiled)
         except Exception as e:  # not Inductor's CompiledFxGraph: this key is compiled on load
             log.info("graphgear cache: key %s of %s is not stored (%s)", key, self.meta.get("name"), e)
             return
@@ -237,15 +254,19 @@ class ArtifactStore:
             set_dim_gears(example_inputs[int(i)], {int(d): list(s) for d, s in dims.items()})
         return gm, example_inputs
 
-    def load(self, key: tuple[int, ...], kind: str, stage: str) -> KeyArtifact | None:
-        """``key``'s compiled graph made runnable, or None (not stored, or it could not
-        be loaded: then it is compiled as usual)."""
+    def load(self, key: tuple[int, ...], kinds: Sequence[str], stage: str) -> KeyArtifact | None:
+        """``key``'s compiled graph made runnable (if it is of one of ``kinds``), or None
+        (not stored, or it could not be loaded: then it is compiled as usual)."""
         art = self.keys.get(tuple(key))
-        if art is None or art.kind != kind:
+        if art is None or art.kind not in kinds:
             return None
-        try:
-            code = inductor_output_load(copy.copy(art.code), is_inference=stage == "inference",
+
+        def runnable(disk: Any) -> Any:
+            return inductor_output_load(copy.copy(disk), is_inference=stage == "inference",
                                         is_backward=stage == "backward")
+
+        try:
+            code = [runnable(c) for c in art.code] if art.kind == "pieces" else runnable(art.code)
         except Exception as e:
             log.warning("graphgear cache: could not load the stored code of key %s of %s (%s: %s); "
                         "compiling it instead", key, self.meta.get("name"), type(e).__name__, e)

@@ -23,6 +23,7 @@ from torch import fx
 
 from .. import debug
 from .._torch.fx import fake_values
+from ..cache.artifacts import KeyArtifact, pieces_signature
 from ..capture import (
     CaptureEngine,
     CaptureGroup,
@@ -77,19 +78,26 @@ class ReduceOverheadCompiler:
         process that captured it; the engine captures that code (no decomposition, no
         Inductor compile) and ``gm`` (then possibly the dynamic graph) only runs its
         warm-up. With ``ctx.artifacts`` and ``ctx.key``, the code compiled here is
-        recorded there (a piecewise graph's pieces are not: they compile again)."""
+        recorded there; a piecewise key's pieces are recorded together (kind ``"pieces"``)
+        and, loaded, are cut again from ``gm`` (then the static graph) and take their code
+        from the cache."""
         device = graph_device(example_inputs)
-        if ctx.loaded is None:
+        if ctx.loaded is None or ctx.loaded.kind == "pieces":
+            if ctx.loaded is not None:  # a rebuilt graph keeps no node values: the cut reads them
+                _fill_values(gm, example_inputs, [n for n in gm.graph.nodes if n.op == "call_function"])
             points = _split_points(gm, device, ctx)
             if points.blocked:
                 return _uncapturable(gm, ctx, device, points.blocked)
             if points.nodes:
                 return self._piecewise(gm, example_inputs, ctx, device, points)
+            ctx = ctx.for_key(ctx.key)  # stored as pieces, now cut nowhere: compiled whole
         return self._engine(gm, example_inputs, ctx, device, device_kind(device, ctx.record.name))
 
     def _engine(self, gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: CompileContext,
-                device: Any, kind: DeviceKind, pool: MemoryPool | None = None) -> CaptureEngine:
-        """The capture engine of one static graph (a whole graph key, or one piece)."""
+                device: Any, kind: DeviceKind, pool: MemoryPool | None = None,
+                compiled_pieces: list[Any] | None = None) -> CaptureEngine:
+        """The capture engine of one static graph (a whole graph key, or one piece, whose
+        compiled code is appended to ``compiled_pieces``)."""
         engine = functools.partial(CaptureEngine, gm, example_inputs, ctx, kind=kind, device=device,
                                    group=self.group, pool=pool)
         if ctx.loaded is not None:
@@ -111,6 +119,8 @@ class ReduceOverheadCompiler:
                 lambda args: kind.code(code(frozen, args=args), gm, ctx.record.name)))
         compiled = code(functools.partial(compile_static, config=ctx.config, record=ctx.record),
                         args=roles.as_bound(example_inputs))
+        if compiled_pieces is not None:
+            compiled_pieces.append(compiled)
         if compiled is not None and ctx.artifacts is not None and ctx.key is not None:
             ctx.artifacts.record(ctx.key, "static", compiled)
         return engine(executor=Executor(kind.code(compiled, gm, ctx.record.name)))
@@ -127,6 +137,9 @@ class ReduceOverheadCompiler:
         index = {p: i for i, p in enumerate(placeholders)}
         _fill_values(gm, example_inputs, [a for seg in segments for a in seg.inputs if a not in index])
         static = set(ctx.static_inputs)
+        signature = pieces_signature([(seg.ops, len(seg.inputs)) for seg in segments if seg.captured])
+        stored = _stored_pieces(ctx, signature)
+        compiled: list[Any] = []
         runs: list[Callable[[list[Any]], Any]] = []
         piece = 0
         for seg in segments:
@@ -137,15 +150,35 @@ class ReduceOverheadCompiler:
             pctx = dataclasses.replace(
                 ctx, record=rec, input_names=[a.name for a in seg.inputs],
                 static_inputs=[j for j, a in enumerate(seg.inputs) if index.get(a) in static],
-                mutated_inputs=mutated_placeholders(seg.gm), caller_outputs=None, artifacts=None, key=None)
+                mutated_inputs=mutated_placeholders(seg.gm), caller_outputs=None, artifacts=None, key=None,
+                loaded=KeyArtifact("static", stored[piece]) if stored is not None else None)
             debug.dump_graph(seg.gm, ctx.config, rec.name, "piece")
             pool = self.piece_pools.setdefault(piece, MemoryPool(name=rec.name))
             examples = [example_inputs[index[a]] if a in index else a.meta["val"] for a in seg.inputs]
-            runs.append(self._engine(seg.gm, examples, pctx, device, kind, pool=pool))
+            runs.append(self._engine(seg.gm, examples, pctx, device, kind, pool=pool, compiled_pieces=compiled))
             piece += 1
-        log.info("graphgear: %s (%s) captured in %d pieces, split at %s", ctx.record.name, ctx.stage,
-                 piece, ", ".join(op for op, _ in points.why))
+        # stored where every piece has Inductor code of its own (not frozen weights' code,
+        # made per set of weights, nor a device that captures the FX graph itself)
+        if (stored is None and ctx.artifacts is not None and ctx.key is not None and len(compiled) == piece
+                and all(c is not None for c in compiled)):
+            ctx.artifacts.record(ctx.key, "pieces", compiled, spec=signature)
+        log.info("graphgear: %s (%s) captured in %d pieces, split at %s%s", ctx.record.name, ctx.stage,
+                 piece, ", ".join(op for op, _ in points.why),
+                 "; their code loaded from the compile cache" if stored is not None else "")
         return PiecewiseGraph(gm, segments, runs, warmup_calls=ctx.config.capture_config.warmup_iters + 1)
+
+
+def _stored_pieces(ctx: CompileContext, signature: str) -> list[Any] | None:
+    """The compile cache's code of each captured piece of this key, where it was stored
+    for a cut with the same ``signature`` (else None: the pieces are compiled)."""
+    loaded = ctx.loaded
+    if loaded is None or loaded.kind != "pieces":
+        return None
+    if loaded.spec != signature:
+        log.warning("graphgear cache: %s key %s was stored cut into other pieces (%s, now %s); "
+                    "compiling its pieces instead", ctx.record.name, ctx.key, loaded.spec, signature)
+        return None
+    return list(loaded.code)
 
 
 def _split_points(gm: fx.GraphModule, device: Any, ctx: CompileContext) -> SplitPoints:
