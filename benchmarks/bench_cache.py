@@ -174,7 +174,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["decoder", "llama"])
     ap.add_argument("--mode", default="reduce-overhead", choices=["reduce-overhead", "max-autotune"])
-    ap.add_argument("--patterns", nargs="*", default=[], choices=["method", "function", "module"],
+    ap.add_argument("--patterns", nargs="*", default=[], choices=["method", "function", "module", "host-read"],
                     help="time cache_compile patterns (first vs second process) instead of --models")
     a = ap.parse_args()
     if a.patterns:
