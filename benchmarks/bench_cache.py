@@ -27,6 +27,8 @@ in that mode. Usage: ``python benchmarks/bench_cache.py [--repeats 3] [--models 
 seconds from ``import graphgear`` to the last gear's first output, a storing first process
 (empty cache folder, warm Inductor cache) against a second process that hits, side by
 side in one run (goal: the second's speedup vs the first >= 2.0x, higher is better).
+``--patterns host-read``: a step with ``.item()`` in the middle (captured in two pieces per
+gear in reduce-overhead), timed the same way.
 """
 
 from __future__ import annotations
@@ -174,7 +176,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["decoder", "llama"])
     ap.add_argument("--mode", default="reduce-overhead", choices=["reduce-overhead", "max-autotune"])
-    ap.add_argument("--patterns", nargs="*", default=[], choices=["method", "function", "module", "host-read"],
+    ap.add_argument("--patterns", nargs="*", default=[],
+                    choices=["method", "function", "module", "host-read"],
                     help="time cache_compile patterns (first vs second process) instead of --models")
     a = ap.parse_args()
     if a.patterns:
