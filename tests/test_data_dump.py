@@ -163,6 +163,33 @@ def test_compare_dumps_and_the_cli(tmp_path: Path, capsys: pytest.CaptureFixture
         main(["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--rtol", "-1"])
 
 
+def test_compare_dumps_of_a_bfloat16_run_against_a_float32_reference(tmp_path: Path) -> None:
+    """TorchAir's accuracy walk-through compares a low-precision device run with a float32
+    reference: every node differed in dtype and was reported diverged with an infinite
+    error. Floating dumps of two dtypes compare by value, at the coarser one's rounding;
+    a node 25 % off is still the first divergent one."""
+    args = (torch.randn(4, 8), torch.randn(8, 8))
+    ref, _ = _dump(tmp_path / "fp32", args=args)
+    graphgear.reset()
+    torch.compiler.reset()
+    low = tmp_path / "bf16"
+    compiled = torch.compile(_f, backend="graphgear", options={
+        "dump_tensor_data": True, "data_dump_dir": str(low), "force_eager": True})
+    compiled(*(a.to(torch.bfloat16) for a in args))
+    report = compare_dumps(str(tmp_path / "fp32"), str(low))
+    assert not report.diverged and report.compared == len(_index(ref)["nodes"]), str(report)
+    assert report.worst and report.worst[0].max_abs > 0  # they differ, by the rounding
+    (graph,) = [d for d in low.iterdir() if d.is_dir()]
+    t = torch.load(graph / "call_00000.pt", weights_only=True)
+    t["mm"] = t["mm"] * 1.25
+    torch.save(t, graph / "call_00000.pt")
+    bad = compare_dumps(str(tmp_path / "fp32"), str(low))
+    assert bad.first is not None and bad.first.node == "mm", str(bad)
+    # a dtype change of an integer tensor is no rounding: still a divergence
+    from graphgear.accuracy import _diff
+    assert _diff(torch.arange(4), torch.arange(4).to(torch.int32), 1e-5, 1e-4)[2]
+
+
 # ---- the planted case: a user pass perturbs one op of a transformers decoder by 1e-3 --------
 
 

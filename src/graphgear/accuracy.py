@@ -4,13 +4,14 @@
 :func:`compare_dumps` reads two data-dump folders (``debug.data_dump``; the first is the
 reference) and compares every node output both hold, graph by graph in compile order,
 call by call, node by node in graph order. A node diverges where
-``|b - a| <= atol + rtol * |a|`` fails for some element (or its shape or dtype differ). The
-report names the first divergent node, with its op, its source line (the FX stack trace)
+``|b - a| <= atol + rtol * |a|`` fails for some element (or its shape differs, or its
+dtype where one of the two is not floating). The report names the first divergent node, with its op, its source line (the FX stack trace)
 and its error, and the worst ones by relative error. The tolerances never go below a
 tensor's own rounding: for a tensor of dtype ``d`` they are at least ``ROUNDING_ULPS *
 eps(d)`` relative and that times the tensor's largest value absolute (bfloat16: 3.1 %,
 float16: 0.39 %; float32: 4.8e-7, below the default ``rtol``), so two correct
-low-precision runs that round in a different order do not diverge.
+low-precision runs that round in a different order do not diverge. Dumps of two dtypes (a
+bfloat16 run against a float32 reference) compare by value, at the coarser dtype's floor.
 
 :func:`compare` does the whole job for a model and its inputs: it runs the model eagerly
 and compiled in the chosen mode (their outputs compared end to end), then twice more with
@@ -107,15 +108,23 @@ class CompareReport:
         return "\n".join(lines)
 
 
+def _eps(t: torch.Tensor) -> float:
+    return torch.finfo(t.real.dtype if t.is_complex() else t.dtype).eps
+
+
 def _diff(a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float) -> tuple[float, float, bool]:
-    if a.shape != b.shape or a.dtype != b.dtype:
+    """How ``b`` differs from the reference ``a``: (max abs error, that over ``a``'s
+    largest value, diverged). Floating tensors of two dtypes (a bfloat16 run against a
+    float32 reference) compare by value, at the coarser dtype's rounding floor."""
+    floating = (a.dtype.is_floating_point and b.dtype.is_floating_point) or (a.is_complex() and b.is_complex())
+    if a.shape != b.shape or (a.dtype != b.dtype and not floating):
         return float("inf"), float("inf"), True
-    if not (a.dtype.is_floating_point or a.is_complex()):
+    if not floating:
         bad = bool((a != b).any())
         return (1.0, 1.0, True) if bad else (0.0, 0.0, False)
     if a.numel() == 0:
         return 0.0, 0.0, False
-    floor = ROUNDING_ULPS * torch.finfo(a.real.dtype if a.is_complex() else a.dtype).eps
+    floor = ROUNDING_ULPS * max(_eps(a), _eps(b))
     x, y = a.double(), b.double()
     same = (x == y) | (torch.isnan(x) & torch.isnan(y))  # equal infinities and NaNs agree
     err = torch.where(same, torch.zeros_like(x), (y - x).abs())
