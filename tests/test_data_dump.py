@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shutil
 import threading
 from pathlib import Path
 from typing import Any
@@ -161,6 +162,28 @@ def test_compare_dumps_and_the_cli(tmp_path: Path, capsys: pytest.CaptureFixture
     assert "holds no data dump" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--rtol", "-1"])
+
+
+def test_compare_dumps_pairs_only_nodes_of_the_same_op_and_names_graphs_left_over(tmp_path: Path) -> None:
+    """Nodes pair by name; a name the other run gave to another op (the runs traced other
+    graphs) is not compared as if it were the same node, and a reference graph the other
+    dump lacks is named, not silently dropped."""
+    args = (torch.randn(4, 8), torch.randn(8, 8))
+    a, _ = _dump(tmp_path / "a", args=args)
+    graphgear.reset()
+    torch.compiler.reset()
+    b, _ = _dump(tmp_path / "b", args=args)
+    idx = _index(b)
+    for n in idx["nodes"]:
+        if n["name"] == "mm":
+            n["op"] = "aten.bmm"
+    (b / "index.json").write_text(json.dumps(idx))
+    shutil.copytree(a, tmp_path / "a" / "graph_999_inference")
+    report = compare_dumps(str(tmp_path / "a"), str(tmp_path / "b"))
+    assert f"{a.name}:mm" in report.unmatched and not report.diverged
+    assert report.compared == len(_index(a)["nodes"]) - 1
+    assert any(u.startswith("graph_999_inference (the other dump has 1 graphs)") for u in report.unmatched)
+    assert "no counterpart" in str(report)
 
 
 def test_compare_dumps_of_a_bfloat16_run_against_a_float32_reference(tmp_path: Path) -> None:

@@ -102,8 +102,8 @@ class CompareReport:
             lines.append(f"compiled outputs and written state vs eager: max abs error {self.output_max_abs:.3g}, relative "
                          f"{self.output_rel:.3g}{' (diverged)' if self.output_diverged else ''}")
         if self.unmatched:
-            lines.append(f"{len(self.unmatched)} reference node outputs have no counterpart (passes removed "
-                         f"or renamed them): {', '.join(self.unmatched[:8])}"
+            lines.append(f"{len(self.unmatched)} reference node outputs or graphs have no counterpart (passes "
+                         f"removed or renamed them, or the runs made other graphs): {', '.join(self.unmatched[:8])}"
                          f"{' ...' if len(self.unmatched) > 8 else ''}")
         return "\n".join(lines)
 
@@ -163,10 +163,14 @@ def compare_dumps(reference: str, other: str, *, atol: float = DEFAULT_ATOL, rto
     compile order, calls by number, nodes by name."""
     report = CompareReport(atol=atol, rtol=rtol)
     diffs: list[NodeDiff] = []
-    for ga, gb in zip(_graphs(reference), _graphs(other)):
+    graphs_a, graphs_b = _graphs(reference), _graphs(other)
+    for extra in graphs_a[len(graphs_b):]:
+        report.unmatched.append(f"{extra} (the other dump has {len(graphs_b)} graphs)")
+    for ga, gb in zip(graphs_a, graphs_b):
         da, db = os.path.join(reference, ga), os.path.join(other, gb)
         ia, ib = _index(da), _index(db)
         nodes = {n["name"]: n for n in ia["nodes"]}
+        ops_b = {n["name"]: n["op"] for n in ib["nodes"]}
         calls_b = {c["call"]: c["file"] for c in ib["calls"]}
         for call in sorted(ia["calls"], key=lambda c: c["call"]):
             if call["call"] not in calls_b:
@@ -175,7 +179,7 @@ def compare_dumps(reference: str, other: str, *, atol: float = DEFAULT_ATOL, rto
             for name in (n["name"] for n in ia["nodes"]):
                 if name not in ta:
                     continue
-                if name not in tb:
+                if name not in tb or ops_b.get(name) != nodes[name]["op"]:  # absent, or another op
                     if f"{ga}:{name}" not in report.unmatched:
                         report.unmatched.append(f"{ga}:{name}")
                     continue
