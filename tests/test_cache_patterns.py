@@ -80,6 +80,64 @@ def test_second_process_serves_a_graph_with_a_host_read(tmp_path: Path, mode: st
         assert rec["replays"] > 0  # the loaded pieces were captured and replayed
 
 
+def _assert_every_entry_hit(first: dict[str, Any], second: dict[str, Any], entries: int) -> None:
+    assert [r["cache"] for r in first["records"]] == ["stored"] * entries, first["log"][-3000:]
+    assert [r["cache"] for r in second["records"]] == ["hit"] * entries, second["log"][-3000:]
+    assert second["unique_graphs"] == 0 and second["frames_ok"] == 0
+    assert [c["sha"] for c in second["calls"]] == [c["sha"] for c in first["calls"]]
+    assert all(c["err"] < 1e-4 for c in first["calls"] + second["calls"])
+    for log_text in (first["log"], second["log"]):
+        assert "reject this call" not in log_text and "graphgear cache: refusing" not in log_text
+
+
+@pytest.mark.inductor
+@pytest.mark.parametrize("mode", MODES)
+def test_module_state_changed_between_calls_is_an_entry_of_its_own(tmp_path: Path, mode: str) -> None:
+    """An attribute the forward reads, set by the caller between calls: the first
+    entry's guards reject the other state, which ran uncached in every process. Each
+    state is now an entry of its own (a variant of the same input spec), stored, and both
+    are hit by a second process."""
+    folder = _folder(tmp_path)
+    first = _run(folder, "two-states", mode, "4,4,2,2,8,8")
+    second = _run(folder, "two-states", mode, "4,4,2,2,8,8")
+    _assert_every_entry_hit(first, second, entries=2)
+    assert sorted(p.name.endswith("-v1.ggc") for p in folder.glob("*.ggc")) == [False, True]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+def test_second_process_serves_transformers_decode_steps_with_a_static_cache(tmp_path: Path, mode: str) -> None:
+    """A Llama's bound ``forward`` with a ``StaticCache``, as servers call it. No Llama
+    could be stored (the ``kernels`` package's local ``Func`` class in the guards), and
+    the first step's entry (the cache not yet made) rejected every later step. Both
+    states are stored; a second process hits both, logits and KV cache equal eager."""
+    folder = _folder(tmp_path)
+    first = _run(folder, "hf-static-cache", mode, "1,1,1,1,1")
+    second = _run(folder, "hf-static-cache", mode, "1,1,1,1,1")
+    _assert_every_entry_hit(first, second, entries=2)
+
+
+@pytest.mark.inductor
+def test_a_state_past_the_variants_runs_uncached_with_one_warning(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from graphgear.cache import function
+    from tests.models.cache_users import TwoStateMLP
+
+    monkeypatch.setattr(function, "MAX_VARIANTS", 1)
+    model = TwoStateMLP().eval()
+    cfg = graphgear.CompilerConfig()
+    cfg.mode = "max-autotune"
+    served = cache_compile(model, config=cfg, cache_dir=str(_folder(tmp_path)))
+    x = torch.randn(4, 16)
+    with caplog.at_level(logging.WARNING, logger="graphgear"):
+        for state in (False, True, False, True):
+            model.residual = state
+            with torch.no_grad():
+                torch.testing.assert_close(served(x), model(x))
+    assert caplog.text.count("reject this call") == 1 and "at most 1 entries" in caplog.text
+    assert served.stores == 1
+
+
 @pytest.mark.inductor
 def test_stored_pieces_cut_otherwise_compile_again_with_a_warning(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:

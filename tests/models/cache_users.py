@@ -39,6 +39,19 @@ class MLP(torch.nn.Module):
         return self.l2(torch.relu(self.l1(x)))
 
 
+class TwoStateMLP(MLP):
+    """State the caller changes between calls (``residual``): dynamo guards the attribute,
+    so each state is an entry of its own for the same input spec."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.residual = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        return y + x[:, :8] if self.residual else y
+
+
 class HostReadMLP(torch.nn.Module):
     """A host read in the middle of the step (a count the next layer scales by): in
     reduce-overhead the graph is captured in two pieces around ``.item()``."""

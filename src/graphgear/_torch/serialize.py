@@ -132,6 +132,17 @@ def serializable_guard_filter(unpicklable_free: Sequence[str] = ()) -> Callable[
       stores such a function as missing, and rebuilding the guard in a later process
       fails. Guards on a closure cell's own value (a decorator's flag) are kept.
 
+    * guards on an object of a class defined in local scope that defines its own
+      ``__reduce__`` (it pickles by name), and every guard whose source goes through one
+      (checked on 2.13 with transformers 5.25: the ``kernels`` package, a transformers
+      requirement, makes ``apply_rotary_pos_emb`` an instance of
+      ``_create_func_module.<locals>.Func`` and keeps it in each attention module's
+      ``_kernel_funcs``; dynamo guards its type, and its guard-state pickler refuses any
+      local class, so no Llama, Qwen2 or Mistral could be stored). Such an object is then
+      pickled as missing, as torch does for values outside the guard tree. A local class
+      without its own ``__reduce__`` (a model class defined in a function) keeps its
+      guards, and the function stays uncached.
+
     What the dropped guards protected (the traced code itself) the compile cache checks
     instead, by source: :func:`changed_traced_sources`; a method replaced at run time
     (monkeypatched) is not seen, as with torch's own ``aot_compile`` filter, which drops
@@ -150,8 +161,13 @@ def serializable_guard_filter(unpicklable_free: Sequence[str] = ()) -> Callable[
         root = re.split(r"[.\[]", g.name, maxsplit=1)[0]
         return not (root in free or through.search(g.name))
 
+    def pickles_itself(v: Any) -> bool:  # a local class that says how to pickle it (by name)
+        t = type(v)
+        return "<locals>" in getattr(t, "__qualname__", "") and "__reduce__" in vars(t)
+
     def guard_filter(entries: Sequence[Any]) -> list[bool]:
-        return [keep(g) for g in entries]
+        local = {g.name for g in entries if pickles_itself(g.value)}
+        return [keep(g) and not any(n in g.name for n in local) for g in entries]
 
     return guard_filter
 

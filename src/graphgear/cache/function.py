@@ -45,7 +45,7 @@ from .._torch.serialize import (
 )
 from ..backend import get_backend
 from ..config import CompilerConfig
-from ..gears import get_dim_gears
+from ..gears import get_dim_gears, set_dim_gears
 from ..stats import record_count, records_since
 from .entry import SUFFIX, _differing, _read_header, _read_trusted, _write_entry
 from .key import GearsOf, _digest, _signature, key_parts
@@ -55,6 +55,31 @@ from .store import cache_folder, entry_folder
 log = logging.getLogger(__name__)
 
 __all__ = ["CachedFunction", "cache_compile"]
+
+
+#: compiled entries a key may hold, each for other module state (its guards decide)
+MAX_VARIANTS = 4
+
+
+def _variant_key(key: str, variant: int) -> str:
+    return key if variant == 0 else f"{key}-v{variant}"
+
+
+def _with_gears(args_kwargs: Any, gears_of: GearsOf) -> Any:
+    """``args_kwargs`` with each tensor that inherits gears (:meth:`CachedFunction._gears_of`)
+    replaced by a view of it marked with them, for a compile of a later variant of the key:
+    compiled from the plain tensor, its dims would be left to dynamo (a dynamic graph
+    without gears), not the key's gears."""
+
+    def mark(t: torch.Tensor) -> torch.Tensor:
+        gears = gears_of(t)
+        if not gears or get_dim_gears(t):
+            return t
+        view = t.view(t.shape)
+        set_dim_gears(view, gears)
+        return view
+
+    return pytree.tree_map_only(torch.Tensor, mark, args_kwargs)
 
 
 def _name_of(fn: Any) -> str:
@@ -90,9 +115,12 @@ class CachedFunction:
         self.cache_dir = cache_folder(cache_dir)
         self.dynamic = dynamic
         self.rank = rank
-        self._loaded: dict[str, Any] = {}  # key -> AOTCompiledFunction, or the fallback
+        # key -> its variants (AOTCompiledFunctions whose guards accept different module
+        # states), or [the fallback / an _Unsupported]
+        self._loaded: dict[str, list[Any]] = {}
         self._keys: dict[Any, tuple[str, dict[str, str]]] = {}  # call signature -> key
-        self._stored: dict[str, _Stored] = {}
+        self._stored: dict[str, _Stored] = {}  # variant key (_variant_key) -> its entry
+        self._compiled: set[str] = set()  # variant keys compiled here (not loaded)
         self.stores = 0  # entry files written by this object (tests: not one per step)
         self._fallback: Any = None
         self._warned = False
@@ -142,26 +170,59 @@ class CachedFunction:
             parts = key_parts(self.fn, self.config, args, kwargs, self.dynamic, self.rank, gears_of)
             known = self._keys[sig] = (_digest(parts), parts)
         key, parts = known
-        compiled = self._loaded.get(key)
-        if compiled is None:
+        variants = self._loaded.get(key)
+        if variants is None:
             # torch's precompile traces outside dynamo's compile lock; another thread's
             # trace meanwhile would corrupt FX's process-wide patch of Module.__call__
             with compile_session():
-                compiled = self._loaded.get(key)
-                if compiled is None:
-                    compiled = self._load_or_compile(key, parts, args, kwargs)
-                    self._loaded[key] = compiled
-        if compiled is self._fallback or isinstance(compiled, _Unsupported):
-            return compiled(*args, **kwargs)
-        args, kwargs = pytree.tree_map_only(torch.Tensor, without_dim_markings, (args, kwargs))
-        call_args = (self.module, *args) if self.module is not None else args
-        if not compiled.guard_check(*call_args, **kwargs):
-            return self._run_uncached(key, args, kwargs)
-        out = self._call(compiled, args, kwargs)
-        stored = self._stored.get(key)
+                variants = self._loaded.get(key)
+                if variants is None:
+                    variants = self._loaded[key] = [self._load_or_compile(key, 0, parts, args, kwargs)]
+        if variants[0] is self._fallback or isinstance(variants[0], _Unsupported):
+            return variants[0](*args, **kwargs)
+        plain_args, plain_kwargs = pytree.tree_map_only(torch.Tensor, without_dim_markings, (args, kwargs))
+        call_args = (self.module, *plain_args) if self.module is not None else plain_args
+        compiled = next((c for c in variants if c.guard_check(*call_args, **plain_kwargs)), None)
+        if compiled is None:
+            marked = _with_gears((args, kwargs), gears_of)  # compiled as the key's first entry was
+            compiled = self._new_variant(key, parts, variants, marked, (call_args, plain_kwargs))
+            if compiled is None:
+                return self._run_uncached(plain_args, plain_kwargs)
+        out = self._call(compiled, plain_args, plain_kwargs)
+        vkey = _variant_key(key, variants.index(compiled))
+        stored = self._stored.get(vkey)
         if stored is not None and stored.path is not None and stored.graph.version() != stored.version:
             self._store(compiled, key, parts, stored)  # it compiled a key it did not hold
         return out
+
+    def _new_variant(self, key: str, parts: dict[str, str], variants: list[Any],
+                     marked: tuple[tuple[Any, ...], dict[str, Any]],
+                     plain: tuple[tuple[Any, ...], dict[str, Any]]) -> Any:
+        """The variant of ``key`` whose guards accept this call, where none of
+        ``variants`` does (the module's state differs from theirs: a transformers
+        ``StaticCache`` made on the first call, an attribute set since): the next stored
+        one, loaded, or a new one, compiled and stored; at most :data:`MAX_VARIANTS` a key.
+        None past that (the call then runs uncached)."""
+        call_args, call_kwargs = plain
+        if torch.is_grad_enabled():
+            return None  # entries are compiled under no_grad: none would accept grad mode
+        with compile_session():
+            for c in list(variants):  # another thread may have added the one that fits
+                if c.guard_check(*call_args, **call_kwargs):
+                    return c
+            while len(variants) < MAX_VARIANTS:
+                c = self._load_or_compile(key, len(variants), parts, *marked)
+                if c is self._fallback or isinstance(c, _Unsupported):
+                    return None
+                fresh = _variant_key(key, len(variants)) in self._compiled
+                variants.append(c)
+                if c.guard_check(*call_args, **call_kwargs):
+                    log.info("graphgear cache: %s: variant %d of key %s serves this call",
+                             _name_of(self.fn), len(variants) - 1, key[:12])
+                    return c
+                if fresh:
+                    return None  # compiled for this very call and still rejecting it: no more
+        return None
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         """Pickled (dynamo's guard state of a module that holds this wrapper, as TorchAir's
@@ -186,27 +247,30 @@ class CachedFunction:
                                            dynamic=None if self.dynamic else False)
         return self._fallback
 
-    def _run_uncached(self, key: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """The entry's guards reject this call: run it through plain torch.compile."""
+    def _run_uncached(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The guards of every variant of the key reject this call: run it through plain
+        torch.compile."""
         if not self._warned:
             self._warned = True
-            log.warning("graphgear cache: the guards of the compiled entry of %s reject this call "
-                        "(module state or globals that changed since it was compiled); it runs "
-                        "through torch.compile with graphgear instead, without the cache.",
-                        _name_of(self.fn))
-        self._loaded[key] = fallback = self._uncached()
-        return fallback(*args, **kwargs)
+            log.warning("graphgear cache: the guards of every compiled entry of %s for this input "
+                        "spec reject this call (module state or globals that differ from each "
+                        "entry's; a spec holds at most %d entries, one per state); it runs through "
+                        "torch.compile with graphgear instead, without the cache. Fix: keep the "
+                        "module's attributes to a few states between calls.", _name_of(self.fn),
+                        MAX_VARIANTS)
+        return self._uncached()(*args, **kwargs)
 
-    def _entry_path(self, folder: str, key: str) -> str:
-        return os.path.join(folder, f"{_name_of(self.fn)}-{key[:24]}{SUFFIX}")
+    def _entry_path(self, folder: str, key: str, variant: int) -> str:
+        tail = f"-v{variant}" if variant else ""
+        return os.path.join(folder, f"{_name_of(self.fn)}-{key[:24]}{tail}{SUFFIX}")
 
-    def _load_or_compile(self, key: str, parts: dict[str, str], args: tuple[Any, ...],
+    def _load_or_compile(self, key: str, variant: int, parts: dict[str, str], args: tuple[Any, ...],
                          kwargs: dict[str, Any]) -> Any:
         folder, reason = entry_folder(self.cache_dir, self.rank)
         if reason is not None:
             log.warning("graphgear cache: not using folder %s: %s; compiling without the cache", folder, reason)
-            return self._compile(args, kwargs, None, key, parts)
-        path = self._entry_path(folder, key)
+            return self._compile(args, kwargs, None, key, parts, variant)
+        path = self._entry_path(folder, key, variant)
         n0 = record_count()
         t0 = time.perf_counter()
         if os.path.lexists(path):
@@ -235,11 +299,11 @@ class CachedFunction:
                 for rec in records_since(n0):
                     rec.cache, rec.cache_load_seconds = "hit", seconds
                 log.info("graphgear cache: loaded %s in %.2f s", path, seconds)
-                self._stored[key] = _Stored(path, graph, graph.version())
+                self._stored[_variant_key(key, variant)] = _Stored(path, graph, graph.version())
                 return compiled
         else:
             self._log_miss(folder, parts)
-        return self._compile(args, kwargs, path, key, parts)
+        return self._compile(args, kwargs, path, key, parts, variant)
 
     def _log_miss(self, folder: str, parts: dict[str, str]) -> None:
         """One log line naming the key part that differs from the nearest entry of this function."""
@@ -263,7 +327,7 @@ class CachedFunction:
                      _name_of(self.fn), ", ".join(best))
 
     def _compile(self, args: tuple[Any, ...], kwargs: dict[str, Any], path: str | None, key: str,
-                 parts: dict[str, str]) -> Any:
+                 parts: dict[str, str], variant: int = 0) -> Any:
         n0 = record_count()
         dynamic = None if self.dynamic else False  # True: dims marked (set_dim_gears) are dynamic
         call_args = (self.module, *args) if self.module is not None else args
@@ -276,7 +340,9 @@ class CachedFunction:
         except Exception as e:  # what torch's precompile cannot save is served uncached
             return self._unsupported(e, n0)
         compiled.disable_guard_check()  # __call__ checks them first, once
-        stored = self._stored[key] = _Stored(path, aot_compiled_backend_result(compiled), -1)
+        stored = _Stored(path, aot_compiled_backend_result(compiled), -1)
+        self._stored[_variant_key(key, variant)] = stored
+        self._compiled.add(_variant_key(key, variant))
         status = "stored" if path is not None and self._store(compiled, key, parts, stored) else "miss"
         for rec in records_since(n0):
             rec.cache = status
