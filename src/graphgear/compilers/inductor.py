@@ -71,21 +71,25 @@ def cache_context(example_inputs: Sequence[Any], *, replace: bool = False) -> co
     fake mode has a shape env (without one Inductor bypasses the cache).
 
     Inside AOTAutograd's compile the active tracing context is kept (it carries the
-    graph's metadata) unless ``replace``; at run time (a gear or a capture built on its
-    first call) a fresh one is made from the example inputs' fake mode.
+    graph's metadata) unless ``replace``, or unless its fake mode is not the example
+    inputs' (a graph rebuilt from the compile cache, compiled while torch loads the
+    entry: Inductor would mix the two modes); at run time (a gear or a capture built on
+    its first call) a fresh one is made from the example inputs' fake mode.
     """
     stack = contextlib.ExitStack()
     base = strip_cache_tag(torch.compiler.config.cache_key_tag)  # not the compile cache's entry tag
     tag = f"{base}graphgear-passes-v{PASSES_VERSION}"
-    keep = not replace and TracingContext.try_get() is not None
-    donated = inductor_donated_buffers() if keep else None
+    fake_mode = next((a.fake_mode for a in example_inputs if isinstance(a, FakeTensor)), None)
+    active = TracingContext.try_get()
+    inside = not replace and active is not None
+    keep = inside and (fake_mode is None or active.fake_mode is fake_mode)
+    donated = inductor_donated_buffers() if inside else None
     if donated is not None:
         # a backward that may overwrite saved activations (plain backward()) and one that
         # may not (retain_graph=True) are different code; Inductor's key cannot tell
         tag += f"-donated-{','.join(map(str, donated))}"
     stack.enter_context(torch.compiler.config.patch(cache_key_tag=tag))
     if not keep:
-        fake_mode = next((a.fake_mode for a in example_inputs if isinstance(a, FakeTensor)), None)
         stack.enter_context(tracing(TracingContext(fake_mode)))
     return stack
 
