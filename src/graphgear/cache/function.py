@@ -439,7 +439,10 @@ def cache_compile(fn: Any, *, config: CompilerConfig | None = None, cache_dir: s
     grad mode: that call runs through plain ``torch.compile``, with autograd.
 
     Gears set (``set_dim_gears``) on a tensor of the first call hold for the tensor at the
-    same place in later calls, so later sizes can arrive as plain tensors. What torch's
-    precompile cannot save (a class defined in local scope, an unpicklable object in the
-    guards) is served uncached, with one warning and ``stats()``'s ``cache="unsupported"``."""
+    same place in later calls, so later sizes can arrive as plain tensors. A call whose
+    module state the entry's guards reject (an attribute set since, a transformers
+    ``StaticCache`` made on the first call) gets an entry of its own for the same input
+    spec, up to :data:`MAX_VARIANTS`. What torch's precompile cannot save (a class defined
+    in local scope, an unpicklable object in the guards) is served uncached, with one
+    warning and ``stats()``'s ``cache="unsupported"``."""
     return CachedFunction(fn, config if config is not None else CompilerConfig(), cache_dir, dynamic, rank)
