@@ -6,7 +6,8 @@ and either loads a trusted entry (``stats()``: ``cache="hit"``) or compiles with
 2.13's precompile (``torch.compile(fn, fullgraph=True).aot_compile(...)``) and stores the
 result (``"stored"``).
 
-**What is stored** (one file per key), all through torch's own formats:
+**What is stored** (one file per key and module state: a state the first entry's guards
+reject is a variant, ``<name>-<key>-v<n>.ggc``, up to four), all through torch's own formats:
 
 * torch's ``save_compiled_function`` payload: dynamo's transformed bytecode and guards;
 * as the backend's part of it, AOTAutograd's *bundled* entry of each graph (the runtime
@@ -14,8 +15,9 @@ result (``"stored"``).
   whose compiled graph is graphgear's :class:`~graphgear.cache.bundle.GraphgearOutputCode`;
 * in it, the graph's :class:`~graphgear.cache.artifacts.ArtifactStore`: the graph after
   graphgear's passes (``GraphPickler``), and per graph key (each gear) Inductor's
-  compiled graph (``CompiledFxGraph``: generated source and metadata), recorded as the
-  keys are compiled. ``frozen_parameter`` keys are not stored (their code holds the
+  compiled graph (``CompiledFxGraph``: generated source and metadata; one per captured
+  piece of a piecewise key), recorded as the keys are compiled. ``frozen_parameter`` keys
+  are not stored (their code holds the
   weights' values, which the key does not cover).
 
 **What a later process does**: no dynamo trace, no AOTAutograd trace, no passes, no
