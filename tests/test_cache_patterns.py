@@ -118,8 +118,7 @@ def test_second_process_serves_transformers_decode_steps_with_a_static_cache(tmp
 
 
 @pytest.mark.inductor
-def test_a_dim_marked_dynamic_without_gears_is_served_from_the_entry(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_dim_marked_dynamic_without_gears_is_served_from_the_entry(tmp_path: Path) -> None:
     """``torch._dynamo.mark_dynamic`` instead of gears, max-autotune: the graph is dynamic
     without gears and compiles again on a hit. That compile ran inside torch's load, whose
     tracing context has another fake mode: where Inductor's FX graph cache did not have the
@@ -127,21 +126,22 @@ def test_a_dim_marked_dynamic_without_gears_is_served_from_the_entry(
     refused the entry and traced and compiled from scratch."""
     from tests.models.cache_users import MLP
 
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
-
     folder = _folder(tmp_path)
     cfg = graphgear.CompilerConfig()
     cfg.mode = "max-autotune"
     model = MLP().eval()
-    for want in ("stored", "hit"):
-        torch.compiler.reset()
-        graphgear.reset()
-        served = cache_compile(model, config=cfg, cache_dir=str(folder))
-        x = torch.randn(6, 16)
-        torch._dynamo.mark_dynamic(x, 0)
-        with torch.no_grad():
-            torch.testing.assert_close(served(x), model(x))
-        assert [r.cache for r in graphgear.stats().graphs] == [want]
+    # torch's own config patch: a monkeypatch of the config module deletes the option on undo
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        for want in ("stored", "hit"):
+            torch.compiler.reset()
+            graphgear.reset()
+            served = cache_compile(model, config=cfg, cache_dir=str(folder))
+            x = torch.randn(6, 16)
+            torch._dynamo.mark_dynamic(x, 0)
+            with torch.no_grad():
+                torch.testing.assert_close(served(x), model(x))
+            assert [r.cache for r in graphgear.stats().graphs] == [want]
+    assert torch._inductor.config.fx_graph_cache is not False
 
 
 @pytest.mark.inductor
