@@ -35,10 +35,15 @@ def main() -> None:
     p.add_argument("--dir", required=True)
     p.add_argument("--sizes", default="4,2,8")
     p.add_argument("--gears", default="2,4,8")
+    p.add_argument("--split-sdpa", action="store_true",
+                   help="reduce-overhead in pieces, split at the CPU's flash SDPA (issue 36's case)")
     a = p.parse_args()
     torch.manual_seed(0)
     cfg = graphgear.CompilerConfig()
     cfg.mode = a.mode
+    if a.split_sdpa:
+        cfg.capture_config.mode = "piecewise"
+        cfg.capture_config.split_ops = ["aten._scaled_dot_product_flash_attention_for_cpu"]
     gears = [int(s) for s in a.gears.split(",")]
     sizes = [int(s) for s in a.sizes.split(",")]
     w = torch.randn(16, 16)

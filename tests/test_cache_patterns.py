@@ -27,10 +27,11 @@ WORKER = ROOT / "tests" / "cache_patterns_worker.py"
 MODES = ["max-autotune", "reduce-overhead"]
 
 
-def _run(folder: Path, pattern: str, mode: str, sizes: str, gears: str = "2,4,8") -> dict[str, Any]:
+def _run(folder: Path, pattern: str, mode: str, sizes: str, gears: str = "2,4,8",
+         extra: tuple[str, ...] = ()) -> dict[str, Any]:
     env = dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}{os.pathsep}{ROOT}")
     p = subprocess.run([sys.executable, str(WORKER), pattern, "--mode", mode, "--dir", str(folder),
-                        "--sizes", sizes, "--gears", gears],
+                        "--sizes", sizes, "--gears", gears, *extra],
                        capture_output=True, text=True, env=env, timeout=600)
     assert p.returncode == 0, p.stderr[-4000:]
     out = json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("{")][-1])
@@ -105,16 +106,26 @@ def test_module_state_changed_between_calls_is_an_entry_of_its_own(tmp_path: Pat
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", MODES)
-def test_second_process_serves_transformers_decode_steps_with_a_static_cache(tmp_path: Path, mode: str) -> None:
+@pytest.mark.parametrize("mode, pieces", [("max-autotune", False), ("reduce-overhead", False),
+                                          ("reduce-overhead", True)])
+def test_second_process_serves_transformers_decode_steps_with_a_static_cache(
+        tmp_path: Path, mode: str, pieces: bool) -> None:
     """A Llama's bound ``forward`` with a ``StaticCache``, as servers call it. No Llama
     could be stored (the ``kernels`` package's local ``Func`` class in the guards), and
     the first step's entry (the cache not yet made) rejected every later step. Both
-    states are stored; a second process hits both, logits and KV cache equal eager."""
+    states are stored; a second process hits both, logits and KV cache equal eager.
+    ``pieces``: captured in pieces around attention (``split_ops``), whose code is stored
+    and loaded too."""
     folder = _folder(tmp_path)
-    first = _run(folder, "hf-static-cache", mode, "1,1,1,1,1")
-    second = _run(folder, "hf-static-cache", mode, "1,1,1,1,1")
+    extra = ("--split-sdpa",) if pieces else ()
+    first = _run(folder, "hf-static-cache", mode, "1,1,1,1,1", extra=extra)
+    second = _run(folder, "hf-static-cache", mode, "1,1,1,1,1", extra=extra)
     _assert_every_entry_hit(first, second, entries=2)
+    if pieces:
+        assert [r["pieces"] for r in second["records"]] == [3, 3]  # 2 layers: 2 splits, 3 pieces
+        assert [r["compiles"] for r in second["records"]] == [0, 0]
+        assert [r["loaded_keys"] for r in second["records"]] == [1, 1]
+        assert second["records"][1]["replays"] > 0
 
 
 @pytest.mark.inductor
