@@ -297,3 +297,51 @@ def test_an_error_in_a_split_op_while_the_pieces_capture(warmup: int) -> None:
     for p, n in [(2, 4), (3, 5), (1, 8)]:
         assert_close(f(x, torch.tensor([p]), n), ref(x, torch.tensor([p]), n), reduction=32, what=f"n={n}")
         assert_close(net.cache, ref.cache, reduction=8, what=f"cache n={n}")
+
+
+# --------------------------------------------------------------------------------------
+# data-dependent sizes: every node whose shape depends on an unbacked size runs uncaptured
+
+
+def _dd_slice(x: torch.Tensor) -> torch.Tensor:
+    k = (x > 0).sum().item()
+    return torch.tanh(x) * x[:k].sum()
+
+
+def _dd_masked_select(x: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(x) * torch.masked_select(x, x > 0).sum()
+
+
+def _dd_nonzero(x: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(x) + torch.nonzero(x > 0).sum()
+
+
+def _dd_ones(x: torch.Tensor) -> torch.Tensor:
+    k = (x > 0).sum().item()
+    return torch.tanh(x) * torch.ones(k).sum()
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
+@pytest.mark.parametrize("fn", [_dd_slice, _dd_masked_select, _dd_nonzero, _dd_ones],
+                         ids=["slice", "masked_select", "nonzero", "ones"])
+def test_a_data_dependent_size_is_never_frozen_in_a_piece(fn: object, mode: str) -> None:
+    """The op that reads a tensor of a data-dependent size (the ``sum`` of ``x[:k]``) runs
+    uncaptured, so a replay never reuses the ``k`` of the capture; ``k`` goes from 0 to
+    the whole tensor across the calls."""
+    assert callable(fn)
+    f = torch.compile(fn, backend=_ro(mode), fullgraph=True)
+    with torch._dynamo.config.patch(capture_scalar_outputs=True, capture_dynamic_output_shape_ops=True), \
+            warnings.catch_warnings():
+        warnings.filterwarnings("error", message="graphgear")  # no fallback, no uncompiled piece
+        for k in [3, 0, 11, 6, 1, 11, 0, 9]:
+            x = -torch.rand(11) - 0.1
+            x[:k] = torch.rand(k) + 0.1  # k positives, first (x[:k] is exactly them)
+            before = x.clone()
+            assert_close(f(x), fn(x), reduction=11, what=f"k={k}")
+            assert torch.equal(x, before), "the input changed"
+    r = _rec()
+    assert r.fallbacks == [] and r.compiles == 1, str(graphgear.stats())
+    if mode == "reduce-overhead":
+        assert ("aten.sum", "reads a tensor whose shape depends on the data") in r.splits, r.splits
+        assert len(r.pieces) >= 2 and all(c == 1 for c, _ in _counts(r)), str(graphgear.stats())

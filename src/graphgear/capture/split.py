@@ -82,12 +82,24 @@ class SplitPoints:
             self.why.append(entry)
 
 
-def _reads_unbacked(node: fx.Node) -> bool:
+def _reads_unbacked(node: fx.Node) -> str | None:
+    """Why ``node`` must run uncaptured for what it reads (None: it need not): a value
+    read back to the host (the unbacked int of ``.item()``), or a tensor whose shape,
+    strides or offset depend on the data (``x[:k]``, ``nonzero``'s result). A capture would
+    freeze that size at its first value: a ``sum`` over ``x[:k]`` replayed with the ``k``
+    of the capture."""
     for a in node.all_input_nodes:
         v = a.meta.get("val")
-        if isinstance(v, torch.SymInt | torch.SymFloat | torch.SymBool) and free_unbacked_symbols(v):
-            return True
-    return False
+        try:
+            unbacked = v is not None and bool(free_unbacked_symbols(v))
+        except Exception:  # a value free_unbacked_symbols cannot walk: no symbol to find
+            unbacked = False
+        if not unbacked:
+            continue
+        if isinstance(v, torch.SymInt | torch.SymFloat | torch.SymBool):
+            return "reads a value the graph computed on the host"
+        return "reads a tensor whose shape depends on the data"
+    return None
 
 
 def split_points(gm: fx.GraphModule, device: torch.device, *, split_ops: Sequence[str],
@@ -106,9 +118,12 @@ def split_points(gm: fx.GraphModule, device: torch.device, *, split_ops: Sequenc
             continue
         why = node_uncapturable(n, device)
         if why is None:
-            if _reads_unbacked(n) or any(u in points.nodes and u.target is operator.getitem
-                                         for u in n.all_input_nodes):
-                points.add(n, "reads a value the graph computed on the host")
+            why = _reads_unbacked(n)
+            if why is None and any(u in points.nodes and u.target is operator.getitem
+                                   for u in n.all_input_nodes):
+                why = "reads a value the graph computed on the host"
+            if why is not None:
+                points.add(n, why)
             continue
         if why.startswith(_UNSPLITTABLE):
             points.blocked.append((op_key(n.target), why))
