@@ -374,3 +374,93 @@ def test_compare_starts_every_run_from_the_same_state(tmp_path: Path) -> None:
 
     assert not compare(fn, [x], mode="reduce-overhead", state=[state], workdir=str(tmp_path / "fn")).diverged
     assert_close(state, x.sum(0))
+
+
+# ---- issue 43: a transformers Cache as state, and arguments of the wrong type ---------------
+
+
+@pytest.mark.slow
+@pytest.mark.inductor
+def test_compare_of_a_static_cache_decode_step_takes_the_cache_as_state(tmp_path: Path) -> None:
+    """A decode step with a transformers StaticCache: its layers' keys and values alone
+    as state (what the docs said) left out each layer's ``cumulative_length``, so the
+    compiled runs started one position later than the eager run and a correct step
+    diverged (end to end 0.36). The cache itself as state restores every tensor it holds:
+    no divergence, and a planted perturbation is still found at its node."""
+    from transformers import StaticCache
+
+    from graphgear.accuracy import _held_tensors
+    from tests.models import hf_qwen2_pair
+
+    cfg, model, _ = hf_qwen2_pair()
+    cache = StaticCache(config=cfg, max_cache_len=16)
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 128, (1, 4)), cache=cache, use_cache=True)  # prefill
+    held = _held_tensors(cache)
+    assert len(held) == 3 * cfg.num_hidden_layers  # keys, values, cumulative_length per layer
+    assert held[:3] == [cache.layers[0].keys, cache.layers[0].values, cache.layers[0].cumulative_length]
+    before = [t.clone() for t in held]
+    tok = torch.randint(0, 128, (1, 1))
+
+    def decode(t: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=t, cache=cache, use_cache=True).logits
+
+    with torch.no_grad():
+        expected = decode(tok)
+    for t, v in zip(held, before):  # back to the state after the prefill
+        t.copy_(v)
+    report = compare(decode, [tok], mode="reduce-overhead", state=cache, workdir=str(tmp_path / "clean"))
+    assert not report.diverged, str(report)
+    assert report.output_max_abs is not None and report.compared > 0
+    assert int(cache.layers[0].cumulative_length) == 5  # as one eager decode step leaves it
+    with torch.no_grad():
+        for t, v in zip(held, before):
+            t.copy_(v)
+        assert_close(decode(tok), expected)
+        for t, v in zip(held, before):
+            t.copy_(v)
+    _perturb_one_mm.names = []  # type: ignore[attr-defined]
+    bad = compare(decode, [tok], mode="reduce-overhead", state=cache, workdir=str(tmp_path / "bad"),
+                  options={"post_grad_custom_post_pass": _perturb_one_mm})
+    assert bad.diverged and bad.first is not None, str(bad)
+    assert bad.first.node in _perturb_one_mm.names, str(bad)  # type: ignore[attr-defined]
+
+
+def test_compare_state_finds_the_tensors_an_object_holds() -> None:
+    """Attributes, __slots__, lists, tuples and dicts are followed, each tensor once,
+    in a fixed order; ints, strings and devices are not tensors."""
+
+    class Layer:
+        __slots__ = ("keys", "length")
+
+        def __init__(self) -> None:
+            self.keys, self.length = torch.zeros(2), torch.tensor(0)
+
+    class Cache:
+        def __init__(self) -> None:
+            self.layers = [Layer(), Layer()]
+            self.extra = {"pos": torch.ones(1), "n": 3, "dev": torch.device("cpu")}
+            self.alias = self.layers[0].keys  # the same tensor again: once
+
+    from graphgear.accuracy import _held_tensors
+
+    c = Cache()
+    got = _held_tensors(c)
+    assert [id(t) for t in got] == [id(c.layers[0].keys), id(c.layers[0].length), id(c.layers[1].keys),
+                                    id(c.layers[1].length), id(c.extra["pos"])]
+
+
+def test_compare_refuses_state_and_inputs_of_the_wrong_type() -> None:
+    """``state=3`` ended in "'int' object is not iterable" and inputs passed as a bare
+    tensor in a forward() arity error; both now say which argument, what it got and
+    what to pass."""
+    model, x = torch.nn.Linear(4, 4), torch.randn(2, 4)
+    with pytest.raises(graphgear.ConfigError, match=r"compare\(state=\.\.\.\) got int 3, which holds no tensor.*state=cache"):
+        compare(model, [x], state=3)
+    with pytest.raises(graphgear.ConfigError, match=r"takes tensors, or one object.*list holding int"):
+        compare(model, [x], state=[torch.zeros(1), 3])
+    with pytest.raises(TypeError, match=r"compare\(model, inputs\) takes the model's positional arguments as a "
+                                        r"list or tuple, got a Tensor of shape \[2, 4\]\. Pass compare\(model, \[x\]\)"):
+        compare(model, x)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"got dict \{'x': tensor"):
+        compare(model, {"x": x})  # type: ignore[arg-type]

@@ -28,8 +28,10 @@ import dataclasses
 import json
 import logging
 import os
+import reprlib
 import tempfile
-from collections.abc import Callable, Sequence
+import types
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -210,42 +212,112 @@ def _options(config: CompilerConfig) -> dict[str, Any]:
     return dict(iter(config))
 
 
-def _state_tensors(model: Any, inputs: Sequence[Any], state: Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
+#: how deep :func:`_held_tensors` follows attributes, lists, tuples and dicts
+_MAX_STATE_DEPTH = 8
+#: values that hold no tensor (not followed)
+_NO_TENSORS = (str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.device, torch.Size,
+               type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType)
+
+
+def _held_tensors(obj: Any) -> list[torch.Tensor]:
+    """Every tensor reachable from ``obj`` through its attributes (``__dict__`` and
+    ``__slots__``), lists, tuples and dicts, each once, in a fixed order (attributes and
+    dict entries in insertion order, items in sequence order, depth first): a
+    transformers ``Cache``'s layers' keys, values and position counters
+    (``StaticLayer.cumulative_length``), found without importing transformers."""
+    out: list[torch.Tensor] = []
+    seen: set[int] = set()
+
+    def walk(x: Any, depth: int) -> None:
+        if id(x) in seen:
+            return
+        seen.add(id(x))
+        if isinstance(x, torch.Tensor):
+            out.append(x)
+            return
+        if depth > _MAX_STATE_DEPTH or isinstance(x, _NO_TENSORS):
+            return
+        if isinstance(x, Mapping):
+            items: list[Any] = list(x.values())
+        elif isinstance(x, list | tuple):
+            items = list(x)
+        else:
+            attrs = getattr(x, "__dict__", None)
+            items = list(attrs.values()) if isinstance(attrs, dict) else []
+            for klass in type(x).__mro__:
+                slots = klass.__dict__.get("__slots__", ())
+                for name in (slots,) if isinstance(slots, str) else slots:
+                    if name not in ("__dict__", "__weakref__") and hasattr(x, name):
+                        items.append(getattr(x, name))
+        for item in items:
+            walk(item, depth + 1)
+
+    walk(obj, 0)
+    return out
+
+
+def _state_tensors(model: Any, inputs: Sequence[Any], state: Any) -> list[torch.Tensor]:
     """The tensors a run may write in place, restored before each of :func:`compare`'s
-    runs: ``state`` when given, else the tensors in ``inputs`` and, for a module, its
-    buffers (a KV cache kept in buffers)."""
-    if state is not None:
+    runs: ``state`` when given (a tensor, a list or tuple of tensors, or an object that
+    holds them, such as a transformers ``Cache``: :func:`_held_tensors`), else the tensors
+    in ``inputs`` and, for a module, its buffers (a KV cache kept in buffers)."""
+    if state is None:
+        out = _flat(list(inputs))
+        if isinstance(model, torch.nn.Module):
+            out += list(model.buffers())
+        return out
+    if isinstance(state, torch.Tensor):
+        return [state]
+    if isinstance(state, list | tuple):
         bad = [type(t).__name__ for t in state if not isinstance(t, torch.Tensor)]
         if bad:
-            raise ConfigError(f"graphgear: compare(state=...) takes tensors; got {', '.join(bad)}. Pass the "
-                              "tensors the model writes in place (for a transformers StaticCache: its "
-                              "layers' keys and values).")
+            raise ConfigError(f"graphgear: compare(state=...) takes tensors, or one object that holds them; got "
+                              f"a {type(state).__name__} holding {', '.join(bad)}. Pass the tensors the model "
+                              "writes in place, or the object itself (state=cache for a transformers Cache).")
         return list(state)
-    out = _flat(list(inputs))
-    if isinstance(model, torch.nn.Module):
-        out += list(model.buffers())
-    return out
+    tensors = _held_tensors(state)
+    if not tensors:
+        raise ConfigError(f"graphgear: compare(state=...) got {type(state).__name__} {reprlib.repr(state)}, "
+                          "which holds no tensor; state takes the tensors the model writes in place, as a "
+                          "list (state=[cache_tensor]), or an object that holds them (state=cache for a "
+                          "transformers Cache after its first call, when it holds its tensors).")
+    return tensors
+
+
+def _check_inputs(inputs: Any) -> None:
+    """``inputs`` is a list or tuple of ``model``'s positional arguments."""
+    if not isinstance(inputs, list | tuple):
+        what = (f"a Tensor of shape {list(inputs.shape)}" if isinstance(inputs, torch.Tensor)
+                else f"{type(inputs).__name__} {reprlib.repr(inputs)}")
+        raise TypeError(f"graphgear: compare(model, inputs) takes the model's positional arguments as a "
+                        f"list or tuple, got {what}. Pass compare(model, [x]) for one input, "
+                        "compare(model, [x, y]) for two.")
 
 
 def compare(model: Callable[..., Any], inputs: Sequence[Any], *, config: CompilerConfig | None = None,
             mode: str | None = None, options: dict[str, Any] | None = None, atol: float = DEFAULT_ATOL,
             rtol: float = DEFAULT_RTOL, top: int = 5, workdir: str | None = None,
-            state: Sequence[torch.Tensor] | None = None) -> CompareReport:
+            state: Any = None) -> CompareReport:
     """Run ``model(*inputs)`` eagerly and through graphgear in ``config``'s mode (``mode``
     and ``options`` change it; in reduce-overhead until the captured graph has replayed:
     ``warmup_iters + 2`` calls), compare the outputs of every call, then dump and compare
     every node of the graphs before and after graphgear's passes (see the module
-    docstring); returns the report (``report.diverged``). Each run starts from the same state:
-    the tensors in ``state`` (default: the tensors among ``inputs`` and, for a module,
-    its buffers, where a KV cache lives) are copied before the first run, put back
-    before each later one, and left as the eager run wrote them. State kept elsewhere
-    (a transformers ``StaticCache`` object, a closure) needs ``state=``. The dumps go to
+    docstring); returns the report (``report.diverged``). ``inputs`` is a list or tuple
+    of the model's positional arguments. Each run starts from the same state: the tensors
+    of ``state`` (default: the tensors among ``inputs`` and, for a module, its buffers,
+    where a KV cache lives) are copied before the first run, put back before each later
+    one, and left as the eager run wrote them. State kept elsewhere (a transformers
+    ``StaticCache`` object, a closure) needs ``state=``: a list or tuple of tensors, or an
+    object that holds them (``state=cache``: every tensor reachable through its
+    attributes, lists, tuples and dicts, so a ``StaticCache``'s keys, values and
+    ``cumulative_length`` all). The dumps go to
     ``workdir`` (kept) or a temporary folder (removed). Calls ``torch.compiler.reset()``
     before each compile."""
     config = (config or CompilerConfig()).copy()
     if mode is not None:
         config.mode = mode
     apply_options(config, options)
+    _check_inputs(inputs)
     inputs = list(inputs)
     tensors = _state_tensors(model, inputs, state)
     with torch.no_grad():
