@@ -1,8 +1,8 @@
 """Dynamo (``torch._dynamo``, ``torch._C._dynamo``): dim markings, the
 ``isolate_recompiles`` region and cache entries of a compiled function, the code a
 served model runs, the frame callback and compiler stance, ``nn.Module``'s hook dicts,
-dynamo's error type for a backend, the ``GraphArg`` of a placeholder and dynamo's
-compile lock.
+dynamo's error type for a backend, the ``GraphArg`` of a placeholder, dynamo's
+compile lock, and which top-level compiled call a thread is in (``compiled_call_token``).
 
 Checked on 2.13 (CPU build) and 2.14.1 (``isolate_recompiles`` is new in 2.13). If these
 moved, a served model would run every call through dynamo's frame evaluation (correct,
@@ -25,6 +25,7 @@ import torch
 # Checked on 2.13 and 2.14.1; each wrapper below (dynamo_entries, dynamo_frame_active,
 # module_call_hooks) has its note.
 from torch._dynamo import eval_frame as _dynamo_eval_frame
+from torch._dynamo import mutation_guard as _mutation_guard
 from torch.nn.modules import module as _nn_module
 
 _cache_entries_for_region = getattr(_dynamo_eval_frame, "_get_cache_entries_for_region", None)
@@ -33,6 +34,8 @@ _eval_frame_callback = torch._C._dynamo.eval_frame.get_eval_frame_callback
 __all__ = [
     "backend_compiler_failed",
     "compile_session",
+    "compiled_call_token",
+    "compiled_call_generation",
     "dynamo_code_function",
     "dynamo_entries",
     "dynamo_frame_active",
@@ -223,3 +226,55 @@ def compile_session() -> Any:
     session = getattr(torch.compiler, "_compile_session_context", None)
     with compile_lock, (session() if session is not None else contextlib.nullcontext()):
         yield
+
+
+def _compile_wrapper_code() -> types.CodeType | None:
+    """The code of the function every call of a ``torch.compile``'d callable runs first
+    (``_TorchDynamoContext.__call__``'s nested ``compile_wrapper``), or None."""
+    outer = vars(getattr(_dynamo_eval_frame, "_TorchDynamoContext", object)).get("__call__")
+    for c in getattr(getattr(outer, "__code__", None), "co_consts", ()):
+        if isinstance(c, types.CodeType) and c.co_name == "compile_wrapper":
+            return c
+    return None
+
+
+_COMPILE_WRAPPER = _compile_wrapper_code()
+#: a local of ``compile_wrapper`` made afresh by each call and held until it returns
+_CALL_LOCAL = "saved_include_set"
+
+
+def compiled_call_generation() -> int:
+    """Dynamo's count of calls of ``torch.compile``'d callables (all threads): it moves
+    whenever any top-level compiled call starts (cudagraph trees read it the same way).
+
+    ``torch._dynamo.mutation_guard.GenerationTracker.generation`` (each top-level call's
+    ``install_generation_tagging_init`` adds one; checked on 2.13). Missing: -1, and
+    :func:`compiled_call_token` is then asked on every hand-out (correct, slower)."""
+    tracker = getattr(_mutation_guard, "GenerationTracker", None)
+    return int(getattr(tracker, "generation", -1))
+
+
+def compiled_call_token(frame: types.FrameType | None) -> Any | None:
+    """An object that lives exactly as long as the outermost call of a
+    ``torch.compile``'d callable now running on this thread's stack (from ``frame``
+    outwards), or None outside any. Two hand-outs belong to the same top-level call
+    when their tokens are the same object; the token dies when that call returns.
+
+    The outermost frame of dynamo's ``compile_wrapper`` (the function every compiled
+    callable's call enters: ``torch._dynamo.eval_frame._TorchDynamoContext.__call__``)
+    and its local ``saved_include_set`` (a fresh ``DispatchKeySet`` per call, weakly
+    referenceable); checked on 2.13. If either moved this gives None: every graph call
+    is then a top-level call of its own, as before graphgear knew about steps (a graph
+    called twice in one forward raises its stale-output error instead of running in a
+    second capture)."""
+    code = _COMPILE_WRAPPER
+    if code is None:
+        return None
+    outermost = None
+    while frame is not None:
+        if frame.f_code is code:
+            outermost = frame
+        frame = frame.f_back
+    if outermost is None:
+        return None
+    return outermost.f_locals.get(_CALL_LOCAL)

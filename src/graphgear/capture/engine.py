@@ -41,6 +41,8 @@ log = logging.getLogger(__name__)
 
 #: creation order of engines (tests and tools sort by it)
 _serial = itertools.count()
+#: marks the key of a lane's entry (``_free_lane``)
+_LANE = "lane"
 
 __all__ = ["CaptureEngine"]
 
@@ -103,11 +105,14 @@ class CaptureEngine:
                           for i in self.tracked_idx),)
         return key
 
-    def _new_entry(self, key: tuple[Any, ...], args: Sequence[Any]) -> Entry:
+    def _new_entry(self, key: tuple[Any, ...], args: Sequence[Any], pool: MemoryPool | None = None,
+                   lane: int = 0) -> Entry:
         with self._lock:
             self._release_dead()
-            e = Entry()
-            if not self.rebindable and any(k[:3] == key[:3] for k in self.entries):
+            e = Entry(pool=pool if pool is not None else self.pool, lane=lane)
+            if lane:
+                e.warm = self.cc.warmup_iters  # a second instance of warmed-up code
+            elif not self.rebindable and any(k[:3] == key[:3] for k in self.entries):
                 e.warm = self.cc.warmup_iters  # same code, inputs moved: no new warm-up
                 e.recapture = True
             self.entries[key] = e
@@ -153,13 +158,21 @@ class CaptureEngine:
         arena = self.pool.arena()
         if arena.handed:
             self.pool.recycle(arena)  # outputs the caller dropped: handed out again
-            if self.tracked_idx and arena.handed:
-                self._stage_fed_back(args)
+        if self.tracked_idx and (arena.handed or self.pool.has_lanes):
+            self._stage_fed_back(args)
         key = self._key(args)
-        e = self.entries.get(key) or self._new_entry(key, args)
+        lane = 0
+        if arena.handed:  # outputs still alive: of this step, this call needs a lane
+            free = self._free_lane(arena)
+            if free is None:
+                return self._run_uncaptured(args)
+            lane, pool, arena = free
+            if lane:
+                key += (_LANE, lane)
+        e = self.entries.get(key) or self._new_entry(key, args, self.pool.lane(lane), lane)
         g = e.graph
         if e.params and g is not None and self.executor.versions(e.params) != e.versions:
-            e, g = self._weights_written(key, args), None
+            e, g = self._weights_written(key, args, e), None
         if g is not None and self.cc.force_recapture and not g.released:
             # capture_config.force_recapture: drop the capture and capture this call again
             self.group.release(g)
@@ -191,18 +204,37 @@ class CaptureEngine:
                 self.record.rebinds += 1
         for i in e.copy_idx:
             bound[i].copy_(args[i])
-        self.pool.invalidate(self._stale, arena)
+        e.pool.invalidate(self._stale, arena)
         outs = g.replay()
         if outs is None:  # released by another thread before it ran
             return self._run_uncaptured(args)
         self.record.replays += 1
         return self._hand_out(e, outs, arena)
 
+    def _free_lane(self, arena: Any) -> tuple[int, MemoryPool, Any] | None:
+        """Where a call runs whose pool still has outputs alive after recycling
+        (``arena``: the calling thread's arena of the engine's pool): there (lane 0), when
+        they were handed out in an earlier step (this replay overwrites them: the
+        stale-output rule), else in the first lane whose outputs are not of this step
+        (``steps``); None when every lane up to ``capture_limit`` holds outputs of this
+        step (the call then runs uncaptured: fresh outputs)."""
+        token = arena.clock.current()
+        if not arena.step.same(token):
+            return 0, self.pool, arena
+        for lane in range(1, self.cc.capture_limit + 1):
+            pool = self.pool.lane(lane)
+            a = pool.arena()
+            if a.handed:
+                pool.recycle(a)
+            if not a.handed or not a.step.same(token):
+                return lane, pool, a
+        return None
+
     def _refs(self, args: Sequence[Any]) -> list[StorageWeakRef]:
         return [StorageWeakRef(args[i].untyped_storage()) for i in self.tracked_idx
                 if isinstance(args[i], torch.Tensor)]
 
-    def _weights_written(self, key: tuple[Any, ...], args: list[Any]) -> Entry:
+    def _weights_written(self, key: tuple[Any, ...], args: list[Any], old: Entry) -> Entry:
         """The parameters frozen code holds were written in place since it was made
         (their version counters moved): drop that code and every capture of it (each
         thread's), and start ``key`` again; it warms up on the new values and captures
@@ -213,7 +245,7 @@ class CaptureEngine:
                  "compiling it again from the new values", self.record.name)
         self.executor.forget(statics)
         self._release_where(lambda k, e: bool(e.statics) and tuple(map(id, e.statics)) == which)
-        return self._new_entry(key, args)
+        return self._new_entry(key, args, old.pool, old.lane)
 
     def _run_uncaptured(self, args: list[Any]) -> list[Any]:
         """Run the FX graph as it is (a key that runs uncaptured, past capture_limit, or
@@ -239,8 +271,8 @@ class CaptureEngine:
                                                                  device=a.device)
                 args[i] = buf.copy_(a)
 
-    def _device_graph(self, args: list[Any], statics: tuple[Any, ...]) -> Any:
-        return self.kind.graph(self.executor.code(args, statics), pool=self.pool, name=self.record.name,
+    def _device_graph(self, args: list[Any], statics: tuple[Any, ...], pool: MemoryPool | None = None) -> Any:
+        return self.kind.graph(self.executor.code(args, statics), pool=pool or self.pool, name=self.record.name,
                                device=self.device, mutated_idx=self.mutated_idx,
                                capture_error_mode=self.cc.capture_error_mode)
 
@@ -262,11 +294,11 @@ class CaptureEngine:
             a = args[i]
             bound[i] = static_buffer(a).copy_(a)
             nbytes += nbytes_of(a.size(), a.stride(), a.dtype)
-        self.pool.invalidate(self._stale)
+        e.pool.invalidate(self._stale)
         if not self.clone_output and liveness.poisoner() is None:
             self._enter_safe_mode()
         e.versions = self.executor.versions(e.params)
-        graph = self._device_graph(bound, self._statics(args))
+        graph = self._device_graph(bound, self._statics(args), e.pool)
         snapshot = ({i: args[i].clone() for i in self.mutated_idx if isinstance(args[i], torch.Tensor)}
                     if graph.runs_at_capture else {})
         try:
@@ -284,7 +316,7 @@ class CaptureEngine:
             outs = capture_failed(self, args, ex, ran=graph.runs_at_capture)
             e.uncaptured = True
             return outs
-        self.pool.add_bytes(nbytes)
+        e.pool.add_bytes(nbytes)
         e.graph = graph
         if not self.rebindable:
             e.bound_refs = self._refs(args)
@@ -298,6 +330,10 @@ class CaptureEngine:
         self.record.captures += 1
         if e.recapture:
             self.record.recaptures += 1
+        if e.lane:
+            log.info("graphgear: %s (%s) was called again in one step while its outputs of that step "
+                     "are in use: captured a second instance of its code (lane %d), with memory of its own",
+                     self.record.name, self.ctx.stage, e.lane)
         self.record.pool_bytes = max(self.record.pool_bytes, self.pool.nbytes)
         log.info("graphgear: captured %s (%s) on %s: %d bytes", self.record.name,
                  self.ctx.stage, self.device, graph.nbytes + nbytes)
@@ -313,8 +349,11 @@ class CaptureEngine:
         if self.clone_output:
             return [o.clone() if isinstance(o, torch.Tensor) else o for o in outs]
         res = list(outs)
-        pool = self.pool
+        pool = e.pool
         last = e.handouts
+        if e.alias_idx:  # the step these outputs belong to (``steps``)
+            a = arena or pool.arena()
+            a.step.mark(self.pool.arena().clock.current() if e.lane else a.clock.current())
         for i in e.alias_idx:
             h = pool.hand_out(res[i], arena, last[i])
             last[i] = h

@@ -37,6 +37,10 @@ class Entry:
     # their version counters when it was captured
     params: tuple[Any, ...] = ()
     versions: tuple[int, ...] = ()
+    # the pool it captures into: the engine's, or lane ``lane`` of it (a second instance
+    # of the key, for a call in the same step while the first one's outputs are alive)
+    pool: Any = None
+    lane: int = 0
 
 
 DATA_PTR = torch.Tensor.data_ptr  # (a method descriptor: map calls it without a Python frame)

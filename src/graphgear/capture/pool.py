@@ -13,7 +13,11 @@ An arena holds
   ``k`` (grown when a later capture needs more, moving the earlier captures' buffers
   along), so every capture that shares the arena runs in the same memory;
 * the outputs it handed out (``liveness.Handout``): before any replay in the arena runs,
-  :meth:`MemoryPool.invalidate` poisons them, so reading one raises.
+  :meth:`MemoryPool.invalidate` poisons them, so reading one raises;
+* the step those outputs were handed out in (``steps``): a graph called again in the
+  same step while they are alive replays in a *lane* instead (:meth:`MemoryPool.lane`:
+  a pool of its own, holding a second capture of the same code), so nothing of this
+  step is overwritten.
 
 Who shares a pool: ``capture_config.use_custom_pool`` (one pool for several models);
 else the captures of one FX graph (``reuse_pool_across_gears``, the default); else each
@@ -31,6 +35,7 @@ from typing import Any
 import torch
 
 from . import liveness
+from .steps import StepClock, StepMark
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +72,8 @@ class Arena:
         # another thread), which stay valid: no replay writes a released arena again
         weakref.finalize(self, _keep_at_end, self.kept, self.handed)
         self.nbytes = 0
+        self.clock = StepClock()  # this thread's step (cached)
+        self.step = StepMark()  # the step ``handed`` was handed out in
 
     def take_handed(self) -> list[liveness.Handout]:
         """The hand-outs so far, the list emptied in place (the finalizer holds it)."""
@@ -94,6 +101,28 @@ class MemoryPool:
         self.name = name
         self._arenas: dict[int, Arena] = {}
         self._lock = threading.Lock()
+        # lanes: pools of their own for graphs replayed again in one step while their
+        # outputs of that step are alive (lane k: the k-th live instance)
+        self._lanes: dict[int, MemoryPool] = {}
+
+    def lane(self, k: int) -> MemoryPool:
+        """Lane ``k`` of this pool (0: the pool itself): memory of its own, shared by the
+        ``k``-th captures of every graph in this pool, made on first use."""
+        if k == 0:
+            return self
+        p = self._lanes.get(k)
+        if p is None:
+            with self._lock:
+                p = self._lanes.setdefault(k, MemoryPool(name=f"{self.name} (lane {k})"))
+        return p
+
+    @property
+    def has_lanes(self) -> bool:
+        """Whether a lane of this pool was made."""
+        return bool(self._lanes)
+
+    def _lane_pools(self) -> list[MemoryPool]:
+        return list(self._lanes.values())
 
     # ---- per-thread arenas -------------------------------------------------------
     def arena(self) -> Arena:
@@ -114,6 +143,8 @@ class MemoryPool:
             arenas = [self._arenas.pop(t) for t in dead]
         for a in arenas:
             self._release_arena(a)
+        for p in self._lane_pools():
+            p.prune(keep)
 
     # ---- device graph pools ------------------------------------------------------
     def device_handle(self, device: torch.device) -> Any:
@@ -180,7 +211,8 @@ class MemoryPool:
     @property
     def nbytes(self) -> int:
         """Bytes this pool has allocated (arena blocks, static buffers, device graphs)."""
-        return sum(a.nbytes for a in list(self._arenas.values()))
+        return (sum(a.nbytes for a in list(self._arenas.values()))
+                + sum(p.nbytes for p in self._lane_pools()))
 
     # ---- output liveness ---------------------------------------------------------
     def hand_out(self, static: torch.Tensor, arena: Arena | None = None,
@@ -208,8 +240,12 @@ class MemoryPool:
             a.handed[:] = liveness.recycle_unused(a.handed)
 
     def handed_ptrs(self) -> set[int]:
-        """Data pointers of the calling thread's outputs that are still valid."""
-        return {h.ptr for h in self.arena().handed if h.alive()}
+        """Data pointers of the calling thread's outputs that are still valid (in
+        every lane)."""
+        ptrs = {h.ptr for h in self.arena().handed if h.alive()}
+        for p in self._lane_pools():
+            ptrs |= p.handed_ptrs()
+        return ptrs
 
     def invalidate(self, msg: str, arena: Arena | None = None) -> int:
         """Poison every output the calling thread was handed that is still alive;
@@ -247,6 +283,8 @@ class MemoryPool:
             self._arenas.clear()
         for a in arenas:
             self._release_arena(a)
+        for p in self._lane_pools():
+            p.release()
 
     def __repr__(self) -> str:
         blocks = sum(len(a.blocks) for a in list(self._arenas.values()))
