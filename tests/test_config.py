@@ -131,3 +131,63 @@ def test_a_list_given_to_disabled_passes_stays_the_callers() -> None:
     names.append("no such pass")
     assert c.experimental_config.disabled_passes == ("fold_repeat_kv",)
     assert copied.experimental_config.disabled_passes == ("fold_repeat_kv",)
+
+
+# ---- issue 43: arguments of the wrong type, close matches with TorchAir's names ------------
+
+
+def test_options_of_the_wrong_type_name_the_argument_and_the_fix() -> None:
+    """``options=[...]`` ended in "'list' object has no attribute 'items'" (torch.compile
+    with the "graphgear" string or a get_backend backend, apply_options, from_dict)."""
+    import torch
+
+    msg = r"options= must be a dict of option names to values, e\.g\. .*got list \['mode'\]\. Pass a dict"
+    with pytest.raises(graphgear.ConfigError, match=msg):
+        apply_options(CompilerConfig(), ["mode"])  # type: ignore[arg-type]
+    for backend in ("graphgear", graphgear.get_backend()):
+        torch._dynamo.reset()
+        f = torch.compile(lambda x: x + 1, backend=backend, options=["mode"])  # type: ignore[arg-type]
+        with pytest.raises(Exception) as e:
+            f(torch.ones(2))
+        cause = graphgear.errors.graphgear_error(e.value)
+        assert isinstance(cause, graphgear.ConfigError) and "options= must be a dict" in str(cause), e.value
+    torch._dynamo.reset()
+    with pytest.raises(graphgear.ConfigError, match=r"from_dict\(data\) takes a dict .*got list \[\('mode'"):
+        CompilerConfig.from_dict([("mode", "reduce-overhead")])  # type: ignore[arg-type]
+
+
+def test_serve_refuses_a_dict_config_and_a_non_callable_model() -> None:
+    """``serve(model, config=dict)`` ended in an AttributeError, ``serve(3)`` in torch's
+    AssertionError."""
+    import torch
+
+    from graphgear.inference import serve
+
+    with pytest.raises(TypeError, match=r"serve: config must be a graphgear\.CompilerConfig or None, got dict "
+                                        r"\{'mode': 'reduce-overhead'\}\. Build one first: .*from_dict"):
+        serve(torch.nn.Linear(2, 2), config={"mode": "reduce-overhead"})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"serve: model must be a callable \(an nn\.Module or a function\), "
+                                        r"got int 3\."):
+        serve(3)  # type: ignore[arg-type]
+
+
+def test_unknown_option_suggests_close_names_torchair_aliases_included() -> None:
+    """A misspelt TorchAir name (``force_eagre``) is pointed at ``force_eager`` and what
+    it names; the known names include TorchAir's."""
+    with pytest.raises(graphgear.ConfigError) as e:
+        apply_options(CompilerConfig(), {"force_eagre": True})
+    text = str(e.value)
+    assert "Did you mean 'force_eager' (TorchAir's name of debug.run_eagerly)?" in text, text
+    assert "TorchAir's names: " in text and "use_graph_pool" in text, text
+    with pytest.raises(graphgear.ConfigError, match=r"Did you mean 'npu_fx_pass' \(TorchAir's name of "
+                                                    r"experimental_config\.fx_passes\) or 'fx_passes'"):
+        apply_options(CompilerConfig(), {"npu_fx_passes": True})
+    with pytest.raises(graphgear.ConfigError, match=r"Did you mean 'capture_limit' \(capture_config\.capture_limit\)"):
+        apply_options(CompilerConfig(), {"capture_limt": 1})
+    with pytest.raises(graphgear.ConfigError) as e:
+        apply_options(CompilerConfig(), {"zzz": 1})
+    assert "Did you mean" not in str(e.value)
+    c = CompilerConfig()
+    with pytest.raises(graphgear.ConfigError, match=r"known options here: .*Did you mean 'force_eager' "
+                                                    r"\(TorchAir's name of debug\.run_eagerly\)\?"):
+        c.debug.force_eagre = True

@@ -38,7 +38,7 @@ from .cache.bundle import GraphgearOutputCode, bundled_compiler
 from .capture import MemoryPool
 from .capture.rules import graph_device
 from .compilers.inductor import inductor_decompositions
-from .config import CompilerConfig, apply_options, mode_of
+from .config import CompilerConfig, apply_options, check_options, mode_of
 from .cpu.frozen import FrozenCopies
 from .errors import ConfigError, GraphgearError
 from .gears import guard_gears_shape, keep_size_one_dynamic, set_dim_gears
@@ -210,6 +210,7 @@ class GraphgearBackend:
         return None
 
     def _config_for_call(self, mode: str | None, options: Mapping[str, Any] | None) -> CompilerConfig:
+        check_options(options)
         if mode is None and not options:
             return self.config
         config = self.config.copy()

@@ -11,7 +11,9 @@ two configs (and two backends) never share state.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator, Mapping
+import difflib
+import reprlib
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from .errors import ConfigError
@@ -161,9 +163,10 @@ class _Section:
                 f"Options there: {', '.join(self._subs[name]._known())}."
             )
         if name not in self._values:
+            torchair = {a: f"TorchAir's name of {self._path}{t}" for a, t in self._aliases.items()}
             raise ConfigError(
                 f"graphgear: unknown option {self._path + name!r}; known options here: "
-                f"{', '.join(self._known())}."
+                f"{', '.join(self._known())}.{_did_you_mean(name, self._known(), torchair)}"
             )
         opt = self._options()[name]
         self._values[name] = opt.validate(self._path + name, value)
@@ -407,6 +410,12 @@ class CompilerConfig(_Section):
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> CompilerConfig:
         """Build a config from ``as_dict()`` output (nested) or from option paths."""
+        if not isinstance(data, Mapping):
+            raise ConfigError(
+                f"graphgear: CompilerConfig.from_dict(data) takes a dict (as_dict() output, or option "
+                f"paths to values), got {type(data).__name__} {reprlib.repr(data)}. Pass a dict, e.g. "
+                f"{{'mode': 'reduce-overhead'}}."
+            )
         config = cls()
         nested = {k: v for k, v in data.items() if "." not in k}
         config._load(nested)
@@ -472,14 +481,39 @@ def _resolve_key(key: str) -> str:
         leaf for leaf in {p.rsplit(".", 1)[-1] for p in paths}
         if sum(p.rsplit(".", 1)[-1] == leaf for p in paths) == 1
     )
+    targets = {leaf: p for p in paths for leaf in unique_leaves if p.rsplit(".", 1)[-1] == leaf}
+    targets |= {a: f"TorchAir's name of {t}" for a, t in {**aliases, **OPTION_ALIASES}.items()}
     raise ConfigError(
-        f"graphgear: unknown option {key!r}. Known options: {', '.join(sorted(paths))} "
-        f"(unique leaf names also work: {', '.join(unique_leaves)})."
+        f"graphgear: unknown option {key!r}.{_did_you_mean(key, [*paths, *targets], targets)} Known "
+        f"options: {', '.join(sorted(paths))} (unique leaf names also work: {', '.join(unique_leaves)}; "
+        f"so do TorchAir's names: {', '.join(sorted(OPTION_ALIASES))})."
     )
+
+
+def _did_you_mean(key: str, names: Iterable[str], targets: Mapping[str, str]) -> str:
+    """`` Did you mean ...?`` naming the up to three ``names`` closest to ``key`` (each
+    with ``targets[name]``, what it names, where given), or ``""`` when none is close."""
+    close = difflib.get_close_matches(key, sorted(set(names)), n=3, cutoff=0.75)
+    if not close:
+        return ""
+    described = [f"{c!r} ({targets[c]})" if c in targets else repr(c) for c in close]
+    return f" Did you mean {' or '.join(described)}?"
+
+
+def check_options(options: Any) -> None:
+    """Raise :class:`ConfigError` unless ``options`` is None or a mapping (what
+    ``torch.compile(options=...)`` and :func:`apply_options` take)."""
+    if options is not None and not isinstance(options, Mapping):
+        raise ConfigError(
+            f"graphgear: options= must be a dict of option names to values, e.g. "
+            f"{{'mode': 'reduce-overhead', 'capture_limit': 16}}, got {type(options).__name__} "
+            f"{reprlib.repr(options)}. Pass a dict (dict(pairs) for a list of (name, value) pairs)."
+        )
 
 
 def apply_options(config: CompilerConfig, options: Mapping[str, Any] | None) -> CompilerConfig:
     """Apply ``torch.compile(options=...)`` style keys (dotted paths or unique leaves)."""
+    check_options(options)
     for key, value in (options or {}).items():
         if not isinstance(key, str):
             raise ConfigError(f"graphgear: option names are strings, got {key!r}.")

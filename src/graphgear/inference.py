@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import reprlib
 from collections.abc import Callable
 from typing import Any
 
@@ -77,6 +78,17 @@ def serve(model: Callable[..., Any], config: CompilerConfig | None = None, *, di
     call whose compiled code dynamo's guards accept runs that code without dynamo's frame
     evaluation (the same guards, checked by dynamo's own guard managers; see
     ``graphgear.served``); ``direct=False`` sends every call through dynamo."""
+    if not callable(model):
+        raise TypeError(
+            f"graphgear.inference.serve: model must be a callable (an nn.Module or a function), got "
+            f"{type(model).__name__} {reprlib.repr(model)}. Pass the model itself: serve(model)."
+        )
+    if config is not None and not isinstance(config, CompilerConfig):
+        raise TypeError(
+            f"graphgear.inference.serve: config must be a graphgear.CompilerConfig or None, got "
+            f"{type(config).__name__} {reprlib.repr(config)}. Build one first: "
+            f"serve(model, graphgear.CompilerConfig.from_dict(d))."
+        )
     if config is None:
         config = CompilerConfig()
         config.mode = "reduce-overhead"
