@@ -356,3 +356,45 @@ def test_incompatible_combinations_raise(options: dict[str, Any], names: tuple[s
         f(torch.ones(2))
     err = graphgear.errors.graphgear_error(e2.value)
     assert isinstance(err, graphgear.ConfigError) and all(n in str(err) for n in names)
+
+
+@torch.library.custom_op("gg_test43::bump", mutates_args=("y",))
+def _bump(y: torch.Tensor) -> None:
+    y.add_(1)
+
+
+@pytest.mark.inductor
+def test_inplace_pass_false_under_inductor_says_what_is_left_on() -> None:
+    """The configuration reference said ``inplace_pass=False`` turns off Inductor's
+    re-inplacing, and the warning said torch offers no switch for it; both were wrong:
+    graphgear leaves Inductor's re-inplacing on (the option switches graphgear's own
+    pass), and torch's switch exists. The warning names it, and the switch named does
+    what it says (a mutated argument of a custom op gets a copy with it, none without)."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.utils import run_and_get_code
+
+    doc = CompilerConfig.option_paths()["experimental_config.inplace_pass"].doc
+    assert "reinplace_intermediates" in doc and "graphgear leaves that on" in doc, doc
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        y = x * 2
+        _bump(y)
+        return y + 1
+
+    x = torch.randn(16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        g = torch.compile(f, backend="graphgear", options={"inplace_pass": False})
+        assert_close(g(x), x * 2 + 2)
+    msgs = [m for m in _idle_warnings(caught) if "inplace_pass=False" in m]
+    assert len(msgs) == 1 and "no switch" not in msgs[0], msgs
+    switch = "disabled_passes='REINPLACE_INPLACEABLE_OPS'"
+    assert switch in msgs[0], msgs[0]
+    clones = []
+    for disabled in ("", "REINPLACE_INPLACEABLE_OPS"):
+        torch._dynamo.reset()
+        with inductor_config.patch(disabled_passes=disabled, fx_graph_cache=False):
+            out, (code,) = run_and_get_code(torch.compile(f), x)
+        assert_close(out, x * 2 + 2)
+        clones.append(code.count("clone"))
+    assert clones[0] == 0 and clones[1] > 0, clones

@@ -278,8 +278,11 @@ class ExperimentalConfig(_Section):
     remove_cat_ops = Option(False, "where the graph runs as it is (run_eagerly, device graphs without Inductor): "
                             "the inputs of a cat are written by their ops' out= variants into slices of one "
                             "preallocated output (Inductor does this itself)", choices=_BOOL)
-    inplace_pass = Option(True, "Inductor re-inplaces functional ops on dead intermediates "
-                          "(its reinplace_inplaceable_ops); False turns that off", choices=_BOOL)
+    inplace_pass = Option(True, "the reinplace_intermediates pass: a functional op on a tensor the graph made "
+                          "and never reads again becomes its in-place variant, where the graph runs as it is "
+                          "(run_eagerly, device graphs without Inductor); False turns it off. No effect where "
+                          "Inductor compiles the graph (warns): Inductor re-inplaces it itself, and graphgear "
+                          "leaves that on", choices=_BOOL)
     input_inplace_pass = Option(True, "the reinplace_inputs pass: a functional op copied back into a "
                                 "graph input becomes its in-place variant on that input", choices=_BOOL)
     static_kernel_compile = Option(False, "TorchAir's static-shape kernel build for Ascend NPUs: accepted, "

@@ -87,7 +87,8 @@ def warn_idle_options(config: CompilerConfig, device_type: str, *, runs_as_is: b
     if not ex.inplace_pass and not runs_as_is:
         _warn_once(seen, out, f"graphgear: option experimental_config.inplace_pass=False has no effect in "
                               f"mode {name} on device {device_type}: Inductor compiles the graph and "
-                              f"re-inplaces it itself (torch offers no switch for that).")
+                              f"re-inplaces it itself; graphgear leaves that on (torch's own switch for it is "
+                              f"Inductor's config disabled_passes='REINPLACE_INPLACEABLE_OPS').")
     if ex.static_kernel_compile:
         where = "off the NPU" if device_type != "npu" else "in graphgear"
         _warn_once(seen, out, f"graphgear: option experimental_config.static_kernel_compile=True has no "

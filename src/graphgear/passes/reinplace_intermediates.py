@@ -3,9 +3,11 @@ never reads again becomes the op's in-place variant on it (``y = add(x, 1)`` wit
 dead afterwards: ``add_(x, 1)``), saving an allocation and a write per op.
 
 It runs only where the graph runs as it is (``passes.remove_cat.runs_as_is``): Inductor
-re-inplaces the graphs it compiles itself (its ``reinplace_inplaceable_ops``, which torch
-2.13 does not let a caller switch off). TorchAir's ``inplace_pass`` switches the same kind
-of pass on its NPU graphs.
+re-inplaces the graphs it compiles itself (its ``reinplace_inplaceable_ops``), and
+graphgear leaves that on whatever ``inplace_pass`` says (torch's switch for it is Inductor's
+``disabled_passes="REINPLACE_INPLACEABLE_OPS"``; ``option_checks`` warns that the option
+has no effect there). TorchAir's ``inplace_pass`` switches the same kind of pass on its NPU
+graphs.
 
 Only a tensor that owns its memory is written: one no other node's value shares (not a
 view, not viewed, not a graph input or output), whose value and the op's result agree in
