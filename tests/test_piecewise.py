@@ -4,6 +4,7 @@ them; every result checked against eager PyTorch."""
 
 from __future__ import annotations
 
+import operator
 import os
 import warnings
 
@@ -14,7 +15,15 @@ import graphgear
 from tests.helpers import assert_close, run_threads
 from tests.helpers import last_record as _rec
 from tests.helpers import make_backend as _ro
-from tests.models.piecewise import WINDOW_SUM, Attention, CachedWindowNet, WindowNet
+from tests.models.piecewise import (
+    CACHE_WRITE,
+    CACHE_WRITES,
+    WINDOW_SUM,
+    Attention,
+    CachedWindowNet,
+    WindowNet,
+    write_then_read,
+)
 
 pytestmark = pytest.mark.inductor
 
@@ -345,3 +354,82 @@ def test_a_data_dependent_size_is_never_frozen_in_a_piece(fn: object, mode: str)
     if mode == "reduce-overhead":
         assert ("aten.sum", "reads a tensor whose shape depends on the data") in r.splits, r.splits
         assert len(r.pieces) >= 2 and all(c == 1 for c, _ in _counts(r)), str(graphgear.stats())
+
+
+# --------------------------------------------------------------------------------------
+# a listed torch.library op that writes its input (auto_functionalized in the graph)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("v2", [True, False], ids=["auto_functionalized_v2", "auto_functionalized"])
+def test_a_listed_op_that_writes_its_input_is_cut_and_writes_the_real_cache(v2: bool) -> None:
+    """The op is a split node whatever AOTAutograd wraps it in; its int position is no
+    part of the graph key (one compile, one capture per piece for every position); it
+    writes the caller's cache itself, never a clone; and a new cache (a new request)
+    is used in place too. Cache and outputs equal eager after every call."""
+    f = torch.compile(write_then_read, backend=_ro(split_ops=[CACHE_WRITE]))
+    cache, ref = torch.zeros(4, 16, 4), torch.zeros(4, 16, 4)
+    with torch._inductor.config.patch(enable_auto_functionalized_v2=v2), warnings.catch_warnings():
+        warnings.filterwarnings("error", message="graphgear")  # no fallback, no per-value compiles
+        for step in range(14):
+            if step == 10:  # a new request: a new cache, filled as far as the old one
+                cache, ref = cache.clone(), ref.clone()
+            pos = step % 16
+            x = torch.randn(4, 4)
+            CACHE_WRITES.clear()
+            out = f(x, cache, pos)
+            if step > 0:  # the first call's graph (pos fixed) is not cut: it runs whole
+                assert CACHE_WRITES == [cache.data_ptr()], f"step {step}: the op wrote a clone, not the cache"
+            assert_close(out, write_then_read(x, ref, pos), reduction=64, what=f"output at pos {pos}")
+            assert_close(cache, ref, reduction=4, what=f"cache after pos {pos}")
+    r = _rec()  # the first call's graph fixes pos; from the second on, pos is an input
+    assert r.splits == [("ggtest.cache_write", "listed in capture_config.split_ops")], r.splits
+    assert r.compiles == 1 and r.fallbacks == [], str(graphgear.stats())
+    assert len(r.pieces) == 2 and all(c == 1 for c, _ in _counts(r)), str(graphgear.stats())
+    assert sum(g.compiles for g in graphgear.stats().graphs) == 2, str(graphgear.stats())
+
+
+def _write_graph(read_old_after: bool) -> torch.fx.GraphModule:
+    """AOTAutograd's form of ``cache_write(cache, kv, 2)`` followed by a read of the new
+    cache, and (``read_old_after``) a read of the old cache placed after the write, as a
+    scheduling pass may leave it: then the write must not go to the cache itself."""
+    from torch._higher_order_ops.auto_functionalize import auto_functionalized_v2
+
+    aten = torch.ops.aten
+    g = torch.fx.Graph()
+    cache, kv = g.placeholder("cache"), g.placeholder("kv")
+    af = g.call_function(auto_functionalized_v2, (torch.ops.ggtest.cache_write.default,),
+                         {"kv": kv, "pos": 2, "_cache_base_index": 0, "_all_bases": [cache]})
+    new = g.call_function(operator.getitem, (af, 1))
+    out = g.call_function(aten.sum.dim_IntList, (new, [1]))
+    if read_old_after:
+        out = g.call_function(aten.add.Tensor, (out, g.call_function(aten.sum.default, (cache,))))
+    g.call_function(aten.copy_.default, (cache, new))
+    g.output((out,))
+    return torch.fx.GraphModule(torch.nn.Module(), g)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("read_old_after", [False, True])
+def test_a_split_write_goes_to_the_input_only_where_nothing_reads_the_old_values(read_old_after: bool) -> None:
+    from graphgear._torch.fx import fake_values
+    from graphgear.capture.split import writes_in_place
+
+    def run(gm: torch.fx.GraphModule) -> tuple[torch.Tensor, torch.Tensor]:
+        cache = torch.arange(24.0).view(3, 8)
+        out = gm(cache, torch.full((3,), -1.0))[0]
+        return out, cache
+
+    gm = _write_graph(read_old_after)
+    want = run(gm)  # the functional graph, as AOTAutograd made it: right by construction
+    fake_values(gm, [torch.zeros(3, 8), torch.zeros(3)])
+    split = {n for n in gm.graph.nodes if "auto_functionalized" in str(n.target)}
+    new_gm, new_split = writes_in_place(gm, split)
+    assert len(new_split) == 1
+    in_place = new_gm is not gm
+    assert in_place == (not read_old_after), new_gm.code
+    if in_place:
+        assert "copy_" not in new_gm.code and "auto_functionalized_v2(" not in new_gm.code, new_gm.code
+    got = run(new_gm)
+    assert_close(got[0], want[0], what="output")
+    assert_close(got[1], want[1], what="cache")

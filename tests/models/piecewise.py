@@ -81,3 +81,29 @@ class Attention(nn.Module):
         q, k, v = self.qkv(x).view(b, t, 3, self.heads, w // self.heads).permute(2, 0, 3, 1, 4)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.out(y.transpose(1, 2).reshape(b, t, w))
+
+
+#: the addresses of the caches ``ggtest::cache_write`` wrote, in call order (a test clears
+#: it): a split node that runs the op on a clone shows as an address of no cache
+CACHE_WRITES: list[int] = []
+
+
+@torch.library.custom_op("ggtest::cache_write", mutates_args=("cache",))
+def cache_write(cache: torch.Tensor, kv: torch.Tensor, pos: int) -> None:
+    """``cache[:, pos] = kv`` in place (the shape of a paged-attention cache write);
+    ``pos`` out of range raises."""
+    if not 0 <= pos < cache.shape[1]:
+        raise ValueError(f"cache_write: pos={pos} is outside 0..{cache.shape[1] - 1}")
+    CACHE_WRITES.append(cache.data_ptr())
+    cache[:, pos] = kv
+
+
+CACHE_WRITE = "ggtest::cache_write"
+
+
+def write_then_read(x: torch.Tensor, cache: torch.Tensor, pos: int) -> torch.Tensor:
+    """piece (tanh of a product), split node (the cache write at ``pos``), piece (reads
+    the whole cache)."""
+    h = torch.tanh(x @ x.T)
+    cache_write(cache, h, pos)
+    return (cache.sum(1) * h).sum(-1)

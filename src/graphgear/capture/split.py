@@ -21,11 +21,13 @@ import torch
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
+from .._torch.ops import auto_functionalized_in_place, auto_functionalized_op, auto_functionalized_writes
+from .._torch.storage import has_storage, storage_id
 from ..debug import op_key
 from .rules import find_uncapturable, node_uncapturable
 
 __all__ = ["SplitPoints", "Segment", "is_split_op", "rewire_split_ints", "split_graph", "split_int_inputs",
-           "split_op_names", "split_points"]
+           "split_op_names", "split_points", "split_target", "writes_in_place"]
 
 #: uncapturable reasons a split cannot serve: the graph itself changes with the data
 _UNSPLITTABLE = ("control flow",)
@@ -56,13 +58,23 @@ def is_split_op(config: Any, target: Any) -> bool:
     return key in keys or f"{key}.{getattr(target, '_overloadname', '')}" in keys
 
 
+def split_target(node: fx.Node) -> Any:
+    """The op ``node`` calls, as ``split_ops`` names it: for a ``torch.library`` op that
+    writes an input, the op inside the ``auto_functionalized(_v2)`` call AOTAutograd
+    wraps it in (its first argument), else the node's target."""
+    if node.op != "call_function":
+        return node.target
+    return auto_functionalized_op(node.target, node.args, dict(node.kwargs)) or node.target
+
+
 def _matches(node: fx.Node, keys: set[str]) -> bool:
     if node.op != "call_function":
         return False
-    key = op_key(node.target)
+    target = split_target(node)
+    key = op_key(target)
     if key in keys:
         return True
-    overload = getattr(node.target, "_overloadname", None)
+    overload = getattr(target, "_overloadname", None)
     return overload is not None and f"{key}.{overload}" in keys
 
 
@@ -77,7 +89,7 @@ class SplitPoints:
 
     def add(self, node: fx.Node, why: str) -> None:
         self.nodes.add(node)
-        entry = (op_key(node.target), why)
+        entry = (op_key(split_target(node)), why)
         if entry not in self.why:
             self.why.append(entry)
 
@@ -130,6 +142,97 @@ def split_points(gm: fx.GraphModule, device: torch.device, *, split_ops: Sequenc
         else:
             points.add(n, why)
     return points
+
+
+def writes_in_place(gm: fx.GraphModule, split: set[fx.Node]) -> tuple[fx.GraphModule, set[fx.Node]]:
+    """``gm`` (a copy, where anything changes) with its split nodes of ``torch.library``
+    ops that write an input run on that input itself, and ``split`` mapped to it.
+
+    AOTAutograd holds such an op as ``auto_functionalized(_v2)``: the op writes clones,
+    later nodes read the clones, and a ``copy_`` at the end of the graph writes them
+    back. Inside a compiled graph Inductor undoes that; a split node runs as it is, so
+    it would clone the whole buffer (a KV cache) on every call. Here, where no node after
+    the split node reads the old values (other than the ``copy_`` back, which then goes)
+    and the graph does not return the new ones, the split node writes the real tensor
+    and the nodes after it read that tensor. Elsewhere it stays as it is (right, with
+    the clone)."""
+    if not any(auto_functionalized_writes(n.target, n.args, dict(n.kwargs)) for n in split):
+        return gm, split
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    graph.output(graph.graph_copy(gm.graph, env))
+    new_gm = fx.GraphModule(gm, graph)
+    split = {env[n] for n in split}
+    changed = False
+    for n in list(graph.nodes):
+        if n not in split:
+            continue
+        writes = auto_functionalized_writes(n.target, n.args, dict(n.kwargs))
+        if not writes or not _can_write_in_place(graph, n, writes):
+            continue
+        news = {u.args[1]: u for u in n.users if u.target is operator.getitem}
+        for index, base in writes:
+            new = news.get(index)
+            if new is None:
+                continue
+            for u in list(new.users):
+                if _is_copy_back(u, base, new):
+                    u.replace_all_uses_with(base)
+                    graph.erase_node(u)
+            new.replace_all_uses_with(base)
+            split.discard(new)
+            graph.erase_node(new)
+        n.target = auto_functionalized_in_place(n.target)
+        changed = True
+    if not changed:
+        return gm, {n for n in gm.graph.nodes if env.get(n) in split}
+    new_gm.recompile()
+    return new_gm, split
+
+
+def _is_copy_back(node: fx.Node, base: fx.Node, new: fx.Node) -> bool:
+    return (node.op == "call_function" and op_key(node.target) == "aten.copy_"
+            and len(node.args) >= 2 and node.args[0] is base and node.args[1] is new)
+
+
+def _storage(node: fx.Node) -> int | None:
+    """The storage ``node``'s tensor value lies in (None: not a tensor)."""
+    v = node.meta.get("val")
+    if not isinstance(v, torch.Tensor) or not has_storage(v):
+        return None
+    return storage_id(v.untyped_storage())
+
+
+def _can_write_in_place(graph: fx.Graph, node: fx.Node, writes: list[tuple[int, Any]]) -> bool:
+    """Whether ``node`` (``auto_functionalized(_v2)``) may write ``writes`` themselves:
+    no node after it reads the memory of one before its new value (a ``copy_`` into it
+    writes it, it does not read it), nor returns a new value or what views it."""
+    if not all(isinstance(b, fx.Node) and "val" in b.meta and _storage(b) is not None for _, b in writes):
+        return False
+    old = {_storage(b) for _, b in writes}
+    news = [u for u in node.users if u.target is operator.getitem]
+    fresh = {_storage(u) for u in news} - {None}
+    after = False
+    for n in graph.nodes:
+        if n is node:
+            after = True
+            continue
+        if not after or n in news:
+            continue
+        reads = list(n.all_input_nodes)
+        if op_key(n.target) == "aten.copy_" and n.args and n.args[0] in reads:
+            reads.remove(n.args[0])  # the destination of a copy is written, not read
+        for a in reads:
+            if a is node or a in news:
+                if n.op == "output":
+                    return False
+                continue
+            if "val" not in a.meta:
+                return False
+            sid = _storage(a)
+            if sid is not None and (sid in old or (n.op == "output" and sid in fresh)):
+                return False
+    return True
 
 
 @dataclasses.dataclass

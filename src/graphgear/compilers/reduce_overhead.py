@@ -37,7 +37,14 @@ from ..capture.entry import InputRoles
 from ..capture.pieces import PiecewiseGraph, piece_record, run_as_is
 from ..capture.pool import MemoryPool
 from ..capture.rules import warn
-from ..capture.split import SplitPoints, split_graph, split_op_names, split_points
+from ..capture.split import (
+    SplitPoints,
+    split_graph,
+    split_op_names,
+    split_points,
+    split_target,
+    writes_in_place,
+)
 from ..context import CompileContext
 from ..cpu import kernels
 from ..cpu.frozen import FrozenCopies
@@ -132,11 +139,16 @@ class ReduceOverheadCompiler:
         kind = device_kind(device, ctx.record.name)
         for op, why in points.why:
             ctx.record.add_split(op, why)
-        segments = split_graph(gm, set(points.nodes))
+        # a listed op that writes its input (a KV-cache write) writes it, not a clone
+        gm, split = writes_in_place(gm, set(points.nodes))
+        segments = split_graph(gm, split)
         placeholders = list(gm.graph.find_nodes(op="placeholder"))
         index = {p: i for i, p in enumerate(placeholders)}
         _fill_values(gm, example_inputs, [a for seg in segments for a in seg.inputs if a not in index])
         static = set(ctx.static_inputs)
+        # the graph's inputs it writes (a KV cache) are used in place by every piece,
+        # also by one that only reads them (a split node wrote them): never copied
+        written = set(ctx.mutated_inputs)
         signature = pieces_signature([(seg.ops, len(seg.inputs)) for seg in segments if seg.captured])
         stored = _stored_pieces(ctx, signature)
         compiled: list[Any] = []
@@ -150,7 +162,9 @@ class ReduceOverheadCompiler:
             pctx = dataclasses.replace(
                 ctx, record=rec, input_names=[a.name for a in seg.inputs],
                 static_inputs=[j for j, a in enumerate(seg.inputs) if index.get(a) in static],
-                mutated_inputs=mutated_placeholders(seg.gm), caller_outputs=None, artifacts=None, key=None,
+                mutated_inputs=sorted(set(mutated_placeholders(seg.gm))
+                                      | {j for j, a in enumerate(seg.inputs) if index.get(a) in written}),
+                caller_outputs=None, artifacts=None, key=None,
                 loaded=KeyArtifact("static", stored[piece]) if stored is not None else None)
             debug.dump_graph(seg.gm, ctx.config, rec.name, "piece")
             pool = self.piece_pools.setdefault(piece, MemoryPool(name=rec.name))
@@ -193,9 +207,9 @@ def _split_points(gm: fx.GraphModule, device: Any, ctx: CompileContext) -> Split
     points = split_points(gm, device, split_ops=cc.split_ops, split_uncapturable=cc.split_uncapturable)
     if cc.mode == "full_and_piecewise" and cc.split_ops:
         listed = split_op_names(cc.split_ops)
-        for n in [n for n in points.nodes if op_key(n.target) in listed and not _reads_call_int(n)]:
+        for n in [n for n in points.nodes if op_key(split_target(n)) in listed and not _reads_call_int(n)]:
             points.nodes.discard(n)
-        kept = {op_key(n.target) for n in points.nodes}
+        kept = {op_key(split_target(n)) for n in points.nodes}
         points.why = [(op, why) for op, why in points.why if op in kept]
     return points
 
