@@ -31,6 +31,7 @@ from torch._inductor.output_code import OutputCode
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "DYNAMO_GLOBAL_PREFIXES",
     "OutputCode",
     "SerializableCallable",
     "aot_bundling",
@@ -45,6 +46,9 @@ __all__ = [
     "inductor_output_load",
     "load_bundled_entry",
     "serializable_compiler",
+    "live_global_names",
+    "refresh_live_globals",
+    "runtime_globals",
     "serializable_guard_filter",
 ]
 
@@ -118,10 +122,12 @@ def inductor_config_digest() -> str:
     return hashlib.sha256(repr(items).encode()).hexdigest()
 
 
-def serializable_guard_filter(unpicklable_free: Sequence[str] = ()) -> Callable[[Sequence[Any]], list[bool]]:
-    """A ``guard_filter_fn`` for ``aot_compile``: its default (drop guards on globals and
-    guard types torch cannot serialise, ``CheckFunctionManager.
-    UNSUPPORTED_SERIALIZATION_GUARD_TYPES``), also dropping
+def serializable_guard_filter(unpicklable_free: Sequence[str] = (),
+                              on_identity_global: Callable[[str, Any, Any], None] | None = None,
+                              ) -> Callable[[Sequence[Any]], list[bool]]:
+    """A ``guard_filter_fn`` for ``aot_compile``: drop the guard types torch cannot
+    serialise (``CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES``: identity
+    guards), also dropping
 
     * guards whose *derived* types torch cannot serialise (checked on 2.13: transformers'
       ``check_model_inputs`` wrapper reads ``func.__code__``, and dynamo guards that code
@@ -146,7 +152,16 @@ def serializable_guard_filter(unpicklable_free: Sequence[str] = ()) -> Callable[
     What the dropped guards protected (the traced code itself) the compile cache checks
     instead, by source: :func:`changed_traced_sources`; a method replaced at run time
     (monkeypatched) is not seen, as with torch's own ``aot_compile`` filter, which drops
-    identity guards too."""
+    identity guards too.
+
+    Guards on globals (``G['SCALE']``, a global tensor's spec, a global flag, a global
+    model's attributes) are kept, unlike ``aot_compile``'s default filter (which drops
+    every guard on a global: a changed global then hit the entry silently, issue 43);
+    they are checked against the live globals (:func:`refresh_live_globals`). Each
+    *identity* guard on a global that is dropped is reported to
+    ``on_identity_global(guard name, guarded value, root value or None)``: the compile
+    cache checks it by name, or refuses to store the function (checked on 2.13:
+    ``GuardFilterEntry.name`` is ``G['<name>']...`` for a global)."""
     import re
 
     from torch._dynamo.guards import CheckFunctionManager
@@ -155,8 +170,11 @@ def serializable_guard_filter(unpicklable_free: Sequence[str] = ()) -> Callable[
     free = set(unpicklable_free)
     through = re.compile(r"__closure__\[\d+\]\.cell_contents[.\[]")
 
-    def keep(g: Any) -> bool:
-        if g.is_global or g.guard_type in bad or any(t in bad for t in g.derived_guard_types):
+    def keep(g: Any, values: dict[str, Any]) -> bool:
+        if g.guard_type in bad or any(t in bad for t in g.derived_guard_types):
+            if g.is_global and on_identity_global is not None:
+                root = re.match(r"G\['[^']*'\]", g.name)
+                on_identity_global(g.name, g.value, values.get(root.group()) if root else None)
             return False
         root = re.split(r"[.\[]", g.name, maxsplit=1)[0]
         return not (root in free or through.search(g.name))
@@ -167,9 +185,56 @@ def serializable_guard_filter(unpicklable_free: Sequence[str] = ()) -> Callable[
 
     def guard_filter(entries: Sequence[Any]) -> list[bool]:
         local = {g.name for g in entries if pickles_itself(g.value)}
-        return [keep(g) and not any(n in g.name for n in local) for g in entries]
+        values = {g.name: g.value for g in entries if g.is_global}
+        return [keep(g, values) and not any(n in g.name for n in local) for g in entries]
 
     return guard_filter
+
+
+#: names dynamo itself puts into the compiled function's globals (import aliases, the
+#: backend's result, modules by id, builtins): never a user's global
+DYNAMO_GLOBAL_PREFIXES = ("__import_", "__compiled_fn", "___", "__builtins_dict__", "__builtins__")
+
+
+def runtime_globals(compiled: Any) -> dict[str, Any]:
+    """The globals of the function dynamo's transformed bytecode runs in, for an
+    ``AOTCompiledFunction`` (``compiled.fn.__globals__``; checked on 2.13 and 2.14.1).
+
+    It is a *copy*: ``GraphRuntimeEnv.forward_callable`` builds a new dict of the import
+    aliases, the globals the graph's inputs come from (``runtime_env.used_globals``: a
+    global tensor, a global model) and, in the compiling process, every global of the
+    traced function's module at compile time. The guard manager of a loaded function
+    (``load_guard_manager(..., self.fn.__globals__)``) checks guards on globals against
+    that copy too. Left alone, a global rebound later (or another process's value of it)
+    would be neither read nor checked: :func:`refresh_live_globals` copies the live values
+    in before each check."""
+    return compiled.fn.__globals__
+
+
+def live_global_names(compiled: Any) -> tuple[list[str], dict[str, Any]]:
+    """The user globals ``compiled`` reads or guards (``runtime_env.used_globals`` and the
+    global scope its guards were built on, ``GuardsState.output_graph.global_scope``;
+    checked on 2.13 and 2.14.1), and of them those the bytecode reads (a graph input's
+    source) with their values at compile time."""
+    from torch._dynamo.package import load_guards_state
+
+    used = dict(compiled._artifacts.runtime_env.used_globals)
+    names = set(used)
+    with contextlib.suppress(Exception):  # no guard state: the bytecode's globals alone
+        names |= set(load_guards_state(compiled._artifacts.guards_state).output_graph.global_scope)
+    keep = sorted(n for n in names if not n.startswith(DYNAMO_GLOBAL_PREFIXES))
+    return keep, {n: used[n] for n in keep if n in used}
+
+
+def refresh_live_globals(names: Sequence[str], live: dict[str, Any], target: dict[str, Any]) -> None:
+    """Copy the live values of ``names`` from ``live`` (the traced function's module
+    globals) into ``target`` (:func:`runtime_globals`); a name the module no longer has is
+    removed (a guard on it then fails, as a read of it would)."""
+    for name in names:
+        try:
+            target[name] = live[name]
+        except KeyError:
+            target.pop(name, None)
 
 
 def changed_traced_sources(compiled: Any) -> list[str]:

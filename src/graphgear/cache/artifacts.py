@@ -88,7 +88,7 @@ _ALLOWED: dict[str, frozenset[str]] = {m: frozenset(n.split()) for m, n in {
     "builtins": "int float bool str bytes tuple list dict set frozenset slice range complex",
     "collections": "Counter OrderedDict defaultdict deque",
     "logging": "getLogger",
-    "traceback": "FrameSummary",
+    "traceback": "FrameSummary StackSummary",
     "graphgear.cache.artifacts": "ArtifactStore KeyArtifact",
     "graphgear.cache.bundle": "GraphgearOutputCode",
     "sympy.core.add": "Add",

@@ -68,11 +68,14 @@ class CacheEntry:
     age_seconds: float
 
 
-def _write_entry(path: str, name: str, key: str, parts: dict[str, str], payload: bytes) -> None:
+def _write_entry(path: str, name: str, key: str, parts: dict[str, str], payload: bytes,
+                 extra: dict[str, Any] | None = None) -> None:
     # "vec_isa": the CPU vector ISA Inductor probed for here (not a key part: a later
-    # process on a CPU whose flags lead to the same ISA skips Inductor's base probes)
-    header = {"name": name, "key": key, "parts": parts, "sha256": hashlib.sha256(payload).hexdigest(),
-              "size": len(payload), "created": time.time(), "vec_isa": inductor_vec_isa_if_known()}
+    # process on a CPU whose flags lead to the same ISA skips Inductor's base probes);
+    # ``extra``: more header fields ("globals": the named identities of the entry's globals)
+    header = {**(extra or {}), "name": name, "key": key, "parts": parts,
+              "sha256": hashlib.sha256(payload).hexdigest(), "size": len(payload),
+              "created": time.time(), "vec_isa": inductor_vec_isa_if_known()}
     folder = os.path.dirname(path)
     with locked(folder):
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=folder)  # mode 0600

@@ -41,6 +41,7 @@ from .._torch.serialize import (
     SerializableCallable,
     aot_compiled_backend_result,
     changed_traced_sources,
+    live_global_names,
     serializable_guard_filter,
 )
 from ..backend import get_backend
@@ -49,7 +50,17 @@ from ..gears import get_dim_gears, set_dim_gears
 from ..stats import record_count, records_since
 from .entry import SUFFIX, _differing, _read_header, _read_trusted, _write_entry
 from .key import GearsOf, _digest, _signature, key_parts
-from .precompile import _CachedGraph, _caching_backend, _closure_objects, _module_globals, _unpicklable_free
+from .precompile import (
+    _CachedGraph,
+    _caching_backend,
+    _closure_objects,
+    _global_objects,
+    _GlobalIdentities,
+    _LiveGlobals,
+    _module_globals,
+    _resolve,
+    _unpicklable_free,
+)
 from .store import cache_folder, entry_folder
 
 log = logging.getLogger(__name__)
@@ -91,11 +102,13 @@ def _name_of(fn: Any) -> str:
 @dataclasses.dataclass
 class _Stored:
     """What a key's entry file holds of the compiled function: its path (None: not
-    written), the backend's graph, and that graph's ``version()`` when last written."""
+    written), the backend's graph, that graph's ``version()`` when last written, and the
+    globals its identity guards name (``_GlobalIdentities.named``)."""
 
     path: str | None
     graph: _CachedGraph
     version: int
+    named_globals: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 class CachedFunction:
@@ -126,6 +139,17 @@ class CachedFunction:
         self._warned = False
         self._warned_unsupported = False
         self._leaf_gears: dict[Any, dict[int, dict[int, list[int]]]] = {}  # input TreeSpec -> leaf -> gears
+        # id(compiled) -> what it checks of the live globals before its guards (issue 43)
+        self._live: dict[int, _LiveGlobals] = {}
+        # the traced function's module globals (None: a callable without them)
+        self._globals: dict[str, Any] | None = getattr(self._func, "__globals__", None)
+
+    def _accepts(self, compiled: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """``compiled``'s guards accept this call, checked on the live globals."""
+        live = self._live.get(id(compiled))
+        if live is None:
+            return bool(compiled.guard_check(*args, **kwargs))
+        return live.accepts(compiled, *args, **kwargs)
 
     def _call(self, compiled: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self.module is not None:
@@ -182,7 +206,7 @@ class CachedFunction:
             return variants[0](*args, **kwargs)
         plain_args, plain_kwargs = pytree.tree_map_only(torch.Tensor, without_dim_markings, (args, kwargs))
         call_args = (self.module, *plain_args) if self.module is not None else plain_args
-        compiled = next((c for c in variants if c.guard_check(*call_args, **plain_kwargs)), None)
+        compiled = next((c for c in variants if self._accepts(c, call_args, plain_kwargs)), None)
         if compiled is None:
             marked = _with_gears((args, kwargs), gears_of)  # compiled as the key's first entry was
             compiled = self._new_variant(key, parts, variants, marked, (call_args, plain_kwargs))
@@ -208,7 +232,7 @@ class CachedFunction:
             return None  # entries are compiled under no_grad: none would accept grad mode
         with compile_session():
             for c in list(variants):  # another thread may have added the one that fits
-                if c.guard_check(*call_args, **call_kwargs):
+                if self._accepts(c, call_args, call_kwargs):
                     return c
             while len(variants) < MAX_VARIANTS:
                 c = self._load_or_compile(key, len(variants), parts, *marked)
@@ -216,7 +240,7 @@ class CachedFunction:
                     return None
                 fresh = _variant_key(key, len(variants)) in self._compiled
                 variants.append(c)
-                if c.guard_check(*call_args, **call_kwargs):
+                if self._accepts(c, call_args, call_kwargs):
                     log.info("graphgear cache: %s: variant %d of key %s serves this call",
                              _name_of(self.fn), len(variants) - 1, key[:12])
                     return c
@@ -281,14 +305,24 @@ class CachedFunction:
                     raise ValueError(f"its key parts differ ({', '.join(diff) or 'key'})")
                 isa = header.get("vec_isa")
                 adopt_vec_isa(isa if isinstance(isa, str) else None)
+                named = header.get("globals") or {}
+                identities = {}
+                for name, qualified in named.items():  # a global bound to a named function or class
+                    try:
+                        identities[name] = _resolve(qualified)
+                    except ValueError as e:
+                        raise ValueError(f"global {name} of the traced code: {e}") from None
+                # the enclosing global scope, as torch asks (a recompile's bytecode may
+                # load a module global such as ``torch``), and the modules it installed by id
                 compiled = torch.compiler.load_compiled_function(
-                    io.BytesIO(payload), f_globals=_module_globals(payload),
-                    external_data=_closure_objects(self._func))
+                    io.BytesIO(payload), f_globals={**(self._globals or {}), **_module_globals(payload)},
+                    external_data={**_closure_objects(self._func), **_global_objects(self._globals or {})})
                 changed = changed_traced_sources(compiled)
                 if changed:
                     raise ValueError(f"the source of traced code changed since it was stored: "
                                      f"{', '.join(changed[:5])}")
                 compiled.disable_guard_check()  # __call__ checks them first, once
+                self._live[id(compiled)] = _LiveGlobals(compiled, self._globals, identities)
                 graph = aot_compiled_backend_result(compiled)
             except Exception as e:  # refuse, never run it: recompile
                 log.warning("graphgear cache: refusing %s: %s; compiling instead", path, e)
@@ -299,7 +333,7 @@ class CachedFunction:
                 for rec in records_since(n0):
                     rec.cache, rec.cache_load_seconds = "hit", seconds
                 log.info("graphgear cache: loaded %s in %.2f s", path, seconds)
-                self._stored[_variant_key(key, variant)] = _Stored(path, graph, graph.version())
+                self._stored[_variant_key(key, variant)] = _Stored(path, graph, graph.version(), dict(named))
                 return compiled
         else:
             self._log_miss(folder, parts)
@@ -322,6 +356,9 @@ class CachedFunction:
                 best = diff
         if best is None:
             log.info("graphgear cache: miss for %s (no entry for it in %s)", _name_of(self.fn), folder)
+        elif not best:
+            log.info("graphgear cache: miss for %s: a new entry for this key, for module state or "
+                     "globals no stored entry's guards accept", _name_of(self.fn))
         else:
             log.info("graphgear cache: miss for %s: key part(s) differ from the nearest entry: %s",
                      _name_of(self.fn), ", ".join(best))
@@ -331,16 +368,21 @@ class CachedFunction:
         n0 = record_count()
         dynamic = None if self.dynamic else False  # True: dims marked (set_dim_gears) are dynamic
         call_args = (self.module, *args) if self.module is not None else args
+        identities = _GlobalIdentities(self._globals or {})
+        guard_filter = serializable_guard_filter(_unpicklable_free(self._func), identities.report)
         try:
             with torch.no_grad():
                 compiled = torch.compile(self._func, fullgraph=True, dynamic=dynamic,
                                          backend=_caching_backend(self.config, key),
-                                         options={"guard_filter_fn": serializable_guard_filter(_unpicklable_free(self._func))},
+                                         options={"guard_filter_fn": guard_filter},
                                          ).aot_compile((call_args, kwargs))
         except Exception as e:  # what torch's precompile cannot save is served uncached
             return self._unsupported(e, n0)
+        if identities.unguardable:  # a global only dynamo's identity guard could check
+            return self._unsupported(_unguardable_reason(identities.unguardable), n0)
         compiled.disable_guard_check()  # __call__ checks them first, once
-        stored = _Stored(path, aot_compiled_backend_result(compiled), -1)
+        self._live[id(compiled)] = _LiveGlobals(compiled, self._globals, identities.objects)
+        stored = _Stored(path, aot_compiled_backend_result(compiled), -1, dict(identities.named))
         self._stored[_variant_key(key, variant)] = stored
         self._compiled.add(_variant_key(key, variant))
         status = "stored" if path is not None and self._store(compiled, key, parts, stored) else "miss"
@@ -348,12 +390,12 @@ class CachedFunction:
             rec.cache = status
         return compiled
 
-    def _unsupported(self, error: Exception, n0: int) -> Any:
+    def _unsupported(self, error: Exception | str, n0: int) -> Any:
         """torch's precompile failed on ``fn`` (a class defined in local scope, an object in
         its guards or closure that cannot be pickled, a graph break under ``fullgraph``):
         the call is served through plain ``torch.compile`` with graphgear, uncached; one
         warning per wrapper, and ``stats()`` records ``cache="unsupported"``."""
-        reason = _unsupported_reason(error)
+        reason = error if isinstance(error, str) else _unsupported_reason(error)
         if not self._warned_unsupported:
             self._warned_unsupported = True
             log.warning("graphgear cache: %s cannot be stored in the compile cache: %s. It runs "
@@ -370,8 +412,9 @@ class CachedFunction:
         assert path is not None
         version = stored.version = stored.graph.version()
         try:
-            payload = type(compiled).serialize(compiled, _closure_objects(self._func)).serialized_data
-            _write_entry(path, _name_of(self.fn), key, parts, payload)
+            external = {**_closure_objects(self._func), **_global_objects(live_global_names(compiled)[1])}
+            payload = type(compiled).serialize(compiled, external).serialized_data
+            _write_entry(path, _name_of(self.fn), key, parts, payload, {"globals": stored.named_globals})
         except Exception as e:  # a cache that cannot be written must not break serving
             log.warning("graphgear cache: could not store %s: %s", path, e)
             return False
@@ -417,7 +460,18 @@ def _unsupported_reason(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
 
 
+def _unguardable_reason(guards: list[str]) -> str:
+    """Why a function whose globals only dynamo's identity guards could check is not
+    stored: the globals, by name."""
+    names = sorted({g.split("'")[1] if g.startswith("G['") else g for g in guards})
+    return (f"the global(s) {', '.join(names)} of the traced code can only be checked by "
+            f"identity (guards {', '.join(guards[:4])}), which no later process can check")[:300]
+
+
 def _unsupported_fix(reason: str) -> str:
+    if "checked by identity" in reason:
+        return ("bind such a global to a function or class defined by name at module level "
+                "(def, not a lambda or an instance), or pass it to the function as an argument")
     if "local scope" in reason or "<locals>" in reason:
         return ("define the class or function at module level (not inside a function), so a "
                 "later process can import it by name")

@@ -11,12 +11,23 @@
   is served it (:func:`_caching_backend`).
 * the objects torch's precompile does not store and a later process passes back: the
   functions and modules in the traced function's closure that pickle cannot store by
-  reference (``external_data``, :func:`_closure_objects`), and the modules dynamo's
+  reference (``external_data``, :func:`_closure_objects`), the models and tensors the
+  function reads as globals (:func:`_global_objects`), and the modules dynamo's
   bytecode loads as globals it installed by id (``f_globals``, :func:`_module_globals`).
+* **globals** (:class:`_LiveGlobals`, :class:`_GlobalIdentities`): guards on the traced
+  function's globals are kept and checked against the live module globals before every
+  call, and the globals the graph reads (a global tensor, a global model) are read live,
+  in the compiling process and in a later one (issue 43: a changed global was served the
+  entry's stale value). An identity guard on a global (a function, a class, a builtin
+  bound to a global) cannot be stored by torch: it is checked by name
+  (``module:qualname``) instead; a global whose identity cannot be named (a lambda, an
+  object guarded by id) makes the function unsupported by the cache.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import inspect
 import io
 import pickle
@@ -28,7 +39,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._torch.serialize import SerializableCallable, bundled_entry_outputs, load_bundled_entry
+from .._torch.serialize import (
+    DYNAMO_GLOBAL_PREFIXES,
+    SerializableCallable,
+    bundled_entry_outputs,
+    live_global_names,
+    load_bundled_entry,
+    refresh_live_globals,
+    runtime_globals,
+)
 from ..backend import get_backend
 from ..config import CompilerConfig
 from .artifacts import cache_tag
@@ -90,6 +109,100 @@ def _closure_objects(func: Any) -> dict[str, Any]:
 
     walk(func, "closure", 0)
     return out
+
+
+def _global_objects(values: dict[str, Any]) -> dict[str, Any]:
+    """The models and tensors among ``values`` (globals the function reads), as
+    ``external_data`` by name: torch's precompile cannot pickle a model, and a tensor's
+    stored value would be stale anyway; a later process passes its own live ones."""
+    return {f"global.{n}": v for n, v in values.items() if isinstance(v, (nn.Module, torch.Tensor))}
+
+
+def _qualified(obj: Any) -> str | None:
+    """``module:qualname`` of a function, class or builtin found again by that name (or
+    ``module:name``: torch's builtins, ``torch.relu``, have the qualified name
+    ``_VariableFunctionsClass.relu``, which ``torch`` does not export)."""
+    if not (inspect.isroutine(obj) or inspect.isclass(obj)):
+        return None
+    module = getattr(obj, "__module__", None)
+    if _by_name(obj):
+        return f"{module}:{obj.__qualname__}"
+    name = getattr(obj, "__name__", None)
+    if module in sys.modules and name and getattr(sys.modules[module], name, None) is obj:
+        return f"{module}:{name}"
+    return None
+
+
+def _resolve(qualified: str) -> Any:
+    """The object ``module:qualname`` names in this process (``ValueError`` if none, or
+    one that names itself otherwise: a rebound global)."""
+    module, _, qualname = qualified.partition(":")
+    try:
+        obj: Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"{qualified} names nothing here ({e})") from None
+    if _qualified(obj) != qualified:
+        raise ValueError(f"{qualified} now names another object")
+    return obj
+
+
+@dataclasses.dataclass
+class _GlobalIdentities:
+    """The identity guards on globals the guard filter dropped (torch cannot store them):
+    ``named``, global name -> ``module:qualname`` of the function, class or builtin it was
+    bound to (checked per call, by identity with the object that name resolves to);
+    ``unguardable``, guards on a global whose identity has no name (a lambda, an object
+    guarded by id): the function is then not stored. Guards that reach code through a
+    module (``G['torch'].sin``) or a builtin are left to the traced-source check, as
+    torch's own ``aot_compile`` filter leaves them."""
+
+    live: dict[str, Any]
+    named: dict[str, str] = dataclasses.field(default_factory=dict)
+    objects: dict[str, Any] = dataclasses.field(default_factory=dict)
+    unguardable: list[str] = dataclasses.field(default_factory=list)
+
+    def report(self, guard: str, value: Any, root_value: Any) -> None:
+        m = re.match(r"G\['([^']*)'\]", guard)
+        if m is None:
+            self.unguardable.append(guard)
+            return
+        root = m.group(1)
+        if root.startswith(DYNAMO_GLOBAL_PREFIXES):
+            return
+        if m.end() == len(guard):
+            root_value = value
+        elif root_value is None:
+            root_value = self.live.get(root)
+        if inspect.ismodule(root_value):
+            return
+        name = _qualified(root_value)
+        if name is None:
+            if guard not in self.unguardable:
+                self.unguardable.append(guard)
+            return
+        self.named[root], self.objects[root] = name, root_value
+
+
+class _LiveGlobals:
+    """What a compiled function checks of the traced function's live globals (``live``)
+    before each guard check: it copies the values of the globals it reads or guards into
+    the copy its bytecode and guards see (``_torch.serialize.runtime_globals``), and
+    checks the named identities (:class:`_GlobalIdentities`)."""
+
+    def __init__(self, compiled: Any, live: dict[str, Any] | None, identities: dict[str, Any]) -> None:
+        self.names = live_global_names(compiled)[0] if live is not None else []
+        self.live, self.identities = live, identities
+        self.target = runtime_globals(compiled)
+
+    def accepts(self, compiled: Any, *args: Any, **kwargs: Any) -> bool:
+        if self.live is not None:
+            refresh_live_globals(self.names, self.live, self.target)
+            for name, obj in self.identities.items():
+                if self.live.get(name) is not obj:
+                    return False
+        return bool(compiled.guard_check(*args, **kwargs))
 
 
 _MODULE_GLOBAL = re.compile(rb"___module_([A-Za-z_][A-Za-z0-9_]*?)_[0-9]+_c[0-9]+")
