@@ -433,3 +433,82 @@ def test_a_split_write_goes_to_the_input_only_where_nothing_reads_the_old_values
     got = run(new_gm)
     assert_close(got[0], want[0], what="output")
     assert_close(got[1], want[1], what="cache")
+
+
+# --------------------------------------------------------------------------------------
+# split_ops names: each must name an op
+
+
+@pytest.mark.parametrize(("name", "closest"), [
+    ("aten.mmm", "the closest known op is 'aten.mm'"),
+    ("ggtest::window_su", "the closest known op is 'ggtest::window_sum'"),  # a custom op, misspelt
+    ("ggtest.window_sum.defualt", "has no overload 'defualt'; its overloads: default"),
+    ("torch.mm", "is a Python name of torch, not an op.*the op of that name is 'aten.mm'"),
+    ("mm", "not of the form 'namespace.op'.*the op of that name is 'aten.mm'"),
+    ("atne.mm", "no op is registered in namespace 'atne'; the closest known op is 'aten.mm'"),
+])
+def test_a_split_ops_name_of_no_op_is_a_config_error_naming_the_closest(name: str, closest: str) -> None:
+    cfg = graphgear.CompilerConfig()
+    with pytest.raises(graphgear.ConfigError, match=rf"capture_config.split_ops.*'{name}'.*{closest}"):
+        cfg.capture_config.split_ops = ["aten.mm", name]
+    assert cfg.capture_config.split_ops == ()  # the bad value was not stored
+    with pytest.raises(graphgear.ConfigError, match=closest):
+        _ro(split_ops=[name])  # options= takes the same path
+
+
+@torch.no_grad()
+def test_split_ops_takes_torch_ops_paths_as_op_names() -> None:
+    cfg = graphgear.CompilerConfig()
+    cfg.capture_config.split_ops = ["torch.ops.aten.mm", "torch.ops.ggtest.window_sum.default", "aten::addmm"]
+    assert cfg.capture_config.split_ops == ("aten.mm", "ggtest.window_sum.default", "aten::addmm")
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(torch.tanh(x) @ x)
+
+    g = torch.compile(f, backend=_ro(split_ops=["torch.ops.aten.mm"], **{"capture_config.mode": "piecewise"}))
+    for _ in range(3):
+        x = torch.randn(4, 4)
+        assert_close(g(x), f(x), reduction=4)
+    assert _rec().splits == [("aten.mm", "listed in capture_config.split_ops")]
+
+
+@torch.no_grad()
+def test_a_split_op_of_a_namespace_registered_later_is_checked_when_compiling(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A namespace no op is registered in yet is accepted when set (its module may be
+    imported later) and checked when a graph compiles: a ConfigError naming it while it
+    is still unknown; once registered, the graph is cut there. A known op a graph does not
+    hold costs one debug line."""
+    cfg = graphgear.CompilerConfig()
+    cfg.mode = "reduce-overhead"
+    cfg.capture_config.split_ops = ["ggtest_later::scale", "aten.mm"]
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x) + 1
+
+    with pytest.raises(Exception) as info:
+        torch.compile(f, backend=graphgear.get_backend(compiler_config=cfg))(torch.randn(4))
+    err = graphgear.errors.graphgear_error(info.value)
+    assert isinstance(err, graphgear.ConfigError), info.value
+    assert "'ggtest_later::scale' names no registered op" in str(err), str(err)
+
+    @torch.library.custom_op("ggtest_later::scale", mutates_args=())
+    def scale(x: torch.Tensor, n: int) -> torch.Tensor:
+        return x * n
+
+    @scale.register_fake
+    def _(x: torch.Tensor, n: int) -> torch.Tensor:
+        return torch.empty_like(x)
+
+    def g(x: torch.Tensor, n: int) -> torch.Tensor:
+        return torch.tanh(scale(torch.tanh(x), n)) + 1
+
+    graphgear.reset()
+    h = torch.compile(g, backend=graphgear.get_backend(compiler_config=cfg))
+    with caplog.at_level("DEBUG", logger="graphgear.compilers.reduce_overhead"):
+        for n in range(1, 5):
+            x = torch.randn(4)
+            assert_close(h(x, n), g(x, n), reduction=4)
+    assert _rec().splits == [("ggtest_later.scale", "listed in capture_config.split_ops")]
+    absent = [r.getMessage() for r in caplog.records if "holds no node of split_ops" in r.getMessage()]
+    assert absent and all("['aten.mm']" in m for m in absent), absent

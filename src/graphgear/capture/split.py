@@ -26,7 +26,7 @@ from .._torch.storage import has_storage, storage_id
 from ..debug import op_key
 from .rules import find_uncapturable, node_uncapturable
 
-__all__ = ["SplitPoints", "Segment", "is_split_op", "rewire_split_ints", "split_graph", "split_int_inputs",
+__all__ = ["SplitPoints", "Segment", "absent_split_ops", "is_split_op", "rewire_split_ints", "split_graph", "split_int_inputs",
            "split_op_names", "split_points", "split_target", "writes_in_place"]
 
 #: uncapturable reasons a split cannot serve: the graph itself changes with the data
@@ -76,6 +76,12 @@ def _matches(node: fx.Node, keys: set[str]) -> bool:
         return True
     overload = getattr(target, "_overloadname", None)
     return overload is not None and f"{key}.{overload}" in keys
+
+
+def absent_split_ops(gm: fx.GraphModule, names: Sequence[str]) -> list[str]:
+    """The entries of ``names`` (``split_ops``) that match no node of ``gm``."""
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    return [name for name in names if not any(_matches(n, split_op_names([name])) for n in nodes)]
 
 
 @dataclasses.dataclass

@@ -39,12 +39,14 @@ from ..capture.pool import MemoryPool
 from ..capture.rules import warn
 from ..capture.split import (
     SplitPoints,
+    absent_split_ops,
     split_graph,
     split_op_names,
     split_points,
     split_target,
     writes_in_place,
 )
+from ..config import split_op_problem
 from ..context import CompileContext
 from ..cpu import kernels
 from ..cpu.frozen import FrozenCopies
@@ -75,6 +77,14 @@ class ReduceOverheadCompiler:
                 f"'piecewise' or 'full_and_piecewise', got mode='full' (which captures each graph "
                 f"whole). Set capture_config.mode='piecewise', or leave split_ops empty."
             )
+        # a torch.library namespace unknown when the config was built must exist by now
+        for name in cc.split_ops:
+            problem = split_op_problem(name, unknown_namespace_ok=False)
+            if problem is not None:
+                raise ConfigError(
+                    f"graphgear: capture_config.split_ops={list(cc.split_ops)!r}: {problem}. Fix the "
+                    f"name, or remove it from split_ops."
+                )
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: CompileContext) -> Callable[..., Any]:
         """A boxed callable that captures and replays ``gm`` (whole, or in pieces:
@@ -205,6 +215,9 @@ def _split_points(gm: fx.GraphModule, device: Any, ctx: CompileContext) -> Split
     if cc.mode == "full":
         return split_points(gm, device, split_ops=(), split_uncapturable=False)
     points = split_points(gm, device, split_ops=cc.split_ops, split_uncapturable=cc.split_uncapturable)
+    absent = absent_split_ops(gm, cc.split_ops)
+    if absent:
+        log.debug("graphgear: %s (%s) holds no node of split_ops %s", ctx.record.name, ctx.stage, absent)
     if cc.mode == "full_and_piecewise" and cc.split_ops:
         listed = split_op_names(cc.split_ops)
         for n in [n for n in points.nodes if op_key(split_target(n)) in listed and not _reads_call_int(n)]:
