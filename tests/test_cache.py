@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -369,3 +371,32 @@ def test_an_edited_generated_module_is_replaced_by_the_verified_source(
     second = _worker(folder)
     assert second["cache"] == ["hit"] and second["sha"] == first["sha"], second["log"][-4000:]
     assert "writing the verified source over it" in second["log"]
+
+
+def test_a_store_removes_temp_files_killed_writers_left(tmp_path: Path) -> None:
+    """Was: a store killed with SIGKILL or SIGTERM left its ``.tmp-*`` file (up to 130 KB)
+    in the cache folder for good; only ``graphgear cache clear`` removed it. Now a later
+    store removes temporary files older than a few minutes whose writer is not alive, and
+    keeps a live writer's and a young one."""
+    folder = tmp_path / "tmpfiles"
+    folder.mkdir(mode=0o700)
+    code = ("import os, signal, sys\n"
+            "from graphgear.cache import entry\n"
+            "os.replace = lambda *a: os.kill(os.getpid(), signal.SIGKILL)  # killed before the rename\n"
+            "entry._write_entry(os.path.join(sys.argv[1], 'f-k.ggc'), 'f', 'k', {}, b'x' * 130000)\n")
+    env = dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}{os.pathsep}{ROOT}")
+    writer = subprocess.Popen([sys.executable, "-c", code, str(folder)], env=env)
+    assert writer.wait(timeout=120) == -signal.SIGKILL
+    (killed,) = folder.glob(".tmp-*")
+    assert killed.name.startswith(f".tmp-{writer.pid}-") and killed.stat().st_size > 130000
+    old = time.time() - 2 * gcache.STALE_TMP_SECONDS
+    legacy = folder / ".tmp-k2x9q1"  # an older graphgear's name, without a pid
+    live = folder / f".tmp-{os.getpid()}-live"  # this process is alive: a writer's file
+    young = folder / f".tmp-{writer.pid}-young"  # dead writer, but not yet a few minutes old
+    for f in (legacy, live, young):
+        f.write_bytes(b"x")
+    for f in (killed, legacy, live):
+        os.utime(f, (old, old))
+    gcache._write_entry(str(folder / "g-k.ggc"), "g", "k", {}, b"payload")
+    assert sorted(f.name for f in folder.glob(".tmp-*")) == sorted([live.name, young.name])
+    assert [f.name for f in _entries(folder)] == ["g-k.ggc"]

@@ -32,6 +32,10 @@ hash, ...) differ from this process's.
 **Writes** happen only after a compile, under an exclusive ``fcntl.flock`` on
 ``<folder>/.lock``, to a private temporary file that ``os.replace`` renames: a reader
 never sees a half-written entry, and two writers both succeed (the last rename wins).
+The temporary file's name carries the writer's pid (``.tmp-<pid>-...``); a writer killed
+mid-write (SIGKILL, SIGTERM) leaves it behind, so each write first removes the temporary
+files of the folder older than :data:`STALE_TMP_SECONDS` whose writer is not alive (or
+whose name carries no pid: an older graphgear's).
 """
 
 from __future__ import annotations
@@ -40,8 +44,10 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import pickle
+import re
 import tempfile
 import time
 from typing import Any
@@ -50,10 +56,15 @@ from .._torch.isa import inductor_vec_isa_if_known
 from .artifacts import SUBSTITUTES, allowed_global
 from .store import cache_folder, locked, stat_unsafe_reason, unsafe_reason
 
-__all__ = ["MAGIC", "SUFFIX", "CacheEntry", "clear_entries", "list_entries"]
+log = logging.getLogger(__name__)
+
+__all__ = ["MAGIC", "STALE_TMP_SECONDS", "SUFFIX", "CacheEntry", "clear_entries", "list_entries"]
 
 MAGIC = b"GRAPHGEAR-CACHE-1\n"
 SUFFIX = ".ggc"
+#: a temporary file of a writer that is not alive, older than this, is removed by the next write
+STALE_TMP_SECONDS = 300.0
+_TMP_PID = re.compile(r"\.tmp-(\d+)-")
 
 
 @dataclasses.dataclass
@@ -78,7 +89,8 @@ def _write_entry(path: str, name: str, key: str, parts: dict[str, str], payload:
               "created": time.time(), "vec_isa": inductor_vec_isa_if_known()}
     folder = os.path.dirname(path)
     with locked(folder):
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=folder)  # mode 0600
+        _remove_stale_tmp(folder)
+        fd, tmp = tempfile.mkstemp(prefix=f".tmp-{os.getpid()}-", dir=folder)  # mode 0600
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(MAGIC + json.dumps(header, sort_keys=True).encode() + b"\n" + payload)
@@ -89,6 +101,44 @@ def _write_entry(path: str, name: str, key: str, parts: dict[str, str], payload:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (one of another user counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True
+
+
+def _remove_stale_tmp(folder: str, max_age: float = STALE_TMP_SECONDS) -> int:
+    """Remove the temporary files a killed writer left in ``folder``: older than
+    ``max_age`` seconds and named by a pid that is not alive (or by none). Called under the
+    folder's lock, which every writer holds while its temporary file exists; the age and
+    pid checks keep a file a writer outside the lock (another host) may still hold."""
+    now, removed = time.time(), 0
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return 0
+    for name in names:
+        if not name.startswith(".tmp-"):
+            continue
+        path = os.path.join(folder, name)
+        m = _TMP_PID.match(name)
+        try:
+            st = os.lstat(path)
+            if now - st.st_mtime < max_age or (m is not None and _alive(int(m.group(1)))):
+                continue
+            os.unlink(path)
+        except OSError:
+            continue
+        removed += 1
+        log.info("graphgear cache: removed %s, left by a writer that was killed", path)
+    return removed
 
 
 def _read_header(f: Any) -> dict[str, Any]:
