@@ -21,7 +21,8 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "graphgear"
 #: below; the layer of a module is that of its longest matching prefix.
 LAYERS: list[set[str]] = [
     # the cache's folders and trust check import nothing of graphgear: capture uses them
-    {"graphgear.errors", "graphgear._torch", "graphgear.cache.store"},
+    {"graphgear.errors", "graphgear._torch", "graphgear.cache.store",
+     "graphgear.op_names"},  # split_ops names checked against the registered ops
     {"graphgear.config", "graphgear.stats", "graphgear.debug", "graphgear.context", "graphgear.datadump",
      "graphgear.dumpfiles", "graphgear.accuracy"},
     {"graphgear.option_checks"},  # options without effect in a mode, combinations that cannot work

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from .errors import ConfigError
+from .op_names import clean_split_ops, split_ops_problem
 
 __all__ = [
     "OPTION_ALIASES",
@@ -348,88 +349,6 @@ def _is_pool(v: Any) -> bool:
     return v is None or (isinstance(v, tuple) and len(v) == 2) or hasattr(v, "pool_id")
 
 
-#: the Python path of an op (``torch.ops.aten.mm``): taken as the op's name (``aten.mm``)
-_TORCH_OPS = "torch.ops."
-
-
-def _known_ops() -> set[str]:
-    """Every op the dispatcher knows now, as ``namespace.name``."""
-    from ._torch.ops import all_op_names
-
-    return {n.replace("::", ".") for n in all_op_names()}
-
-
-def _spelt(name: str, key: str) -> str:
-    """``key`` (``ns.op``) in ``name``'s spelling (``ns::op`` where ``name`` uses it)."""
-    return key.replace(".", "::", 1) if "::" in name else key
-
-
-def split_op_problem(name: str, *, unknown_namespace_ok: bool) -> str | None:
-    """What is wrong with ``name`` as a ``capture_config.split_ops`` entry (None: nothing):
-    an op the dispatcher does not know, with the closest one it does. A namespace no op
-    is registered in yet passes where ``unknown_namespace_ok`` (a ``torch.library`` op
-    may be defined after the config is built: the backend checks again when it
-    compiles), unless it is ``torch`` (``torch.mm`` is a function, not an op name) or a
-    near miss of a known namespace that has the op (``atne.mm``)."""
-    import torch
-
-    key = name.removeprefix(_TORCH_OPS).replace("::", ".")
-    parts = key.split(".")
-    known = _known_ops()
-
-    def named(op: str) -> str:  # a known op of that name, aten's first
-        same = sorted((k for k in known if k.split(".")[1] == op), key=lambda k: (not k.startswith("aten."), k))
-        return f"; the op of that name is {_spelt(name, same[0])!r}" if same else ""
-
-    if len(parts) < 2 or not all(parts) or (len(parts) > 3 and parts[0] != "torch"):
-        return (f"{name!r} is not of the form 'namespace.op', 'namespace::op' or "
-                f"'namespace.op.overload'{named(parts[-1]) if parts[-1] else ''}")
-    ns, op = parts[0], parts[1]
-    namespaces = {k.split(".")[0] for k in known}
-    if ns == "torch":
-        return (f"{name!r} is a Python name of torch, not an op: split_ops names ops as graphs hold "
-                f"them ('aten.mm', 'mylib::op'){named(parts[-1])}")
-    if ns == "higher_order":
-        exists = hasattr(torch.ops.higher_order, op)
-    elif ns not in namespaces:
-        near = [c for c in difflib.get_close_matches(ns, sorted(namespaces), n=3, cutoff=0.75)
-                if f"{c}.{op}" in known]
-        if not near and unknown_namespace_ok:
-            return None
-        hint = (f"; the closest known op is {_spelt(name, f'{near[0]}.{op}')!r}" if near
-                else named(op))
-        return (f"{name!r} names no registered op: no op is registered in namespace {ns!r}{hint} "
-                f"(a torch.library namespace of your own exists once the module that defines its "
-                f"ops is imported: import it first)")
-    else:
-        exists = f"{ns}.{op}" in known
-    if not exists:
-        pool = sorted(k for k in known if k.startswith(ns + "."))
-        close = (difflib.get_close_matches(f"{ns}.{op}", pool, n=1, cutoff=0.6)
-                 or difflib.get_close_matches(f"{ns}.{op}", sorted(known), n=1, cutoff=0.6))
-        hint = f"; the closest known op is {_spelt(name, close[0])!r}" if close else ""
-        return f"{name!r} names no registered op{hint}"
-    if len(parts) == 3 and ns != "higher_order":
-        overloads = getattr(getattr(torch.ops, ns), op).overloads()
-        if parts[2] not in overloads:
-            return (f"{name!r}: op {_spelt(name, f'{ns}.{op}')!r} has no overload {parts[2]!r}; "
-                    f"its overloads: {', '.join(sorted(overloads))} (or name the op alone)")
-    return None
-
-
-def _split_ops_problem(v: Any) -> str | None:
-    for name in v:
-        problem = split_op_problem(name, unknown_namespace_ok=True)
-        if problem is not None:
-            return problem
-    return None
-
-
-def _clean_split_ops(v: Any) -> tuple[str, ...]:
-    """The stored names: ``torch.ops.aten.mm`` becomes ``aten.mm``."""
-    return tuple(n.removeprefix(_TORCH_OPS) for n in v)
-
-
 class CaptureConfig(_Section):
     """``capture_config``: capture and replay, in ``reduce-overhead`` mode. ``use_graph_pool`` and
     ``reuse_graph_pool_in_same_fx`` (TorchAir's npugraph_ex names) are aliases of
@@ -448,8 +367,8 @@ class CaptureConfig(_Section):
                        "aten overloads or packets ('aten._scaled_dot_product_flash_attention_for_cpu') "
                        "or custom ops ('mylib::paged_attention'); each runs uncaptured between "
                        "captured pieces, and a Python int only they read is no part of the graph key",
-                       check=_is_names, allowed="a tuple or list of op names", explain=_split_ops_problem,
-                       convert=_clean_split_ops)
+                       check=_is_names, allowed="a tuple or list of op names", explain=split_ops_problem,
+                       convert=clean_split_ops)
     split_uncapturable = Option(True, "an op a device graph cannot hold (.item(), a data-dependent "
                                 "shape, random numbers on the CPU) becomes a split node instead of "
                                 "sending the whole graph to fallback (not in mode 'full')",

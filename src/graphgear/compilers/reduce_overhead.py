@@ -46,13 +46,13 @@ from ..capture.split import (
     split_target,
     writes_in_place,
 )
-from ..config import split_op_problem
 from ..context import CompileContext
 from ..cpu import kernels
 from ..cpu.frozen import FrozenCopies
 from ..debug import op_key
 from ..errors import CaptureError, ConfigError
 from ..inputs import mutated_placeholders
+from ..op_names import split_op_problem
 from .executors import FrozenExecutor, native_code
 from .inductor import compile_static
 
