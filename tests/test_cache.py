@@ -400,3 +400,34 @@ def test_a_store_removes_temp_files_killed_writers_left(tmp_path: Path) -> None:
     gcache._write_entry(str(folder / "g-k.ggc"), "g", "k", {}, b"payload")
     assert sorted(f.name for f in folder.glob(".tmp-*")) == sorted([live.name, young.name])
     assert [f.name for f in _entries(folder)] == ["g-k.ggc"]
+
+
+def _generated_steps(x: torch.Tensor) -> Any:
+    yield x * 2
+
+
+@pytest.mark.parametrize(("fn", "kwargs", "error", "words"), [
+    (3, {}, TypeError, ["fn must be a function", "got int (3)", "pass the function itself"]),
+    (_generated_steps, {}, TypeError, ["fn _generated_steps is a generator function",
+                                       "cache the function the generator calls"]),
+    (torch.relu, {"config": {"mode": "reduce-overhead"}}, TypeError,
+     ["config must be a graphgear.CompilerConfig, got dict", "CompilerConfig.from_dict(d)"]),
+    (torch.relu, {"dynamic": "yes"}, TypeError, ["dynamic must be True or False, got 'yes' (str)", "dynamic=False"]),
+    (torch.relu, {"rank": -1}, ValueError, ["rank must be None or an int >= 0, got -1", "get_rank()"]),
+    (torch.relu, {"rank": "0"}, TypeError, ["rank must be None or an int >= 0, got '0' (str)", "as an int"]),
+])
+def test_cache_compile_refuses_bad_arguments_by_name(tmp_path: Path, fn: Any, kwargs: dict[str, Any],
+                                                     error: type[Exception], words: list[str]) -> None:
+    """Was: ``config=dict`` ended in an AttributeError, ``cache_compile(3)`` and a generator
+    function were accepted (one warned later with a wrong fix, the other compiled and
+    cached nothing, silently), ``rank=-1`` made a folder ``rank-1`` and ``dynamic="yes"``
+    was accepted. Each now raises at the call of cache_compile, naming the argument, the
+    value, what is allowed and the fix."""
+    folder = tmp_path / "c"
+    with pytest.raises(error) as info:
+        graphgear.inference.cache_compile(fn, cache_dir=str(folder), **kwargs)
+    text = str(info.value)
+    assert text.startswith("graphgear.inference.cache_compile: ") and "Fix: " in text
+    for w in words:
+        assert w in text, text
+    assert not folder.exists()

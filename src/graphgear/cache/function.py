@@ -498,5 +498,40 @@ def cache_compile(fn: Any, *, config: CompilerConfig | None = None, cache_dir: s
     ``StaticCache`` made on the first call) gets an entry of its own for the same input
     spec, up to :data:`MAX_VARIANTS`. What torch's precompile cannot save (a class defined
     in local scope, an unpicklable object in the guards) is served uncached, with one
-    warning and ``stats()``'s ``cache="unsupported"``."""
+    warning and ``stats()``'s ``cache="unsupported"``.
+
+    Raises ``TypeError`` or ``ValueError`` naming the argument, for an ``fn`` that is not
+    callable or is a generator function, a ``config`` that is not a ``CompilerConfig``, a
+    ``dynamic`` that is not a bool, a ``rank`` that is not ``None`` or an int >= 0."""
+    _check_arguments(fn, config, dynamic, rank)
     return CachedFunction(fn, config if config is not None else CompilerConfig(), cache_dir, dynamic, rank)
+
+
+def _check_arguments(fn: Any, config: Any, dynamic: Any, rank: Any) -> None:
+    """:func:`cache_compile`'s arguments, checked before anything is compiled."""
+    where = "graphgear.inference.cache_compile"
+    if not callable(fn):
+        raise TypeError(f"{where}: fn must be a function, an nn.Module or a module's bound method, got "
+                        f"{type(fn).__name__} ({fn!r:.60}). Fix: pass the function itself, not the "
+                        f"result of calling it: cache_compile(step), not cache_compile(step(x)).")
+    target = type(fn).forward if isinstance(fn, nn.Module) else getattr(fn, "__func__", fn)
+    if inspect.isgeneratorfunction(target) or inspect.isasyncgenfunction(target):
+        raise TypeError(f"{where}: fn {_name_of(fn)} is a generator function, which cannot be compiled "
+                        f"as one graph (each next() resumes its frame). Fix: cache the function the "
+                        f"generator calls for each item, cache_compile(step), and keep the loop in the "
+                        f"generator.")
+    if config is not None and not isinstance(config, CompilerConfig):
+        raise TypeError(f"{where}: config must be a graphgear.CompilerConfig, got {type(config).__name__}. "
+                        f"Fix: pass graphgear.CompilerConfig.from_dict(d) for a dict d of options, or "
+                        f"leave config=None for the defaults.")
+    if not isinstance(dynamic, bool):
+        raise TypeError(f"{where}: dynamic must be True or False, got {dynamic!r} "
+                        f"({type(dynamic).__name__}). Fix: dynamic=True keeps the dims marked by "
+                        f"set_dim_gears dynamic; dynamic=False compiles every dim static.")
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
+        raise TypeError(f"{where}: rank must be None or an int >= 0, got {rank!r} ({type(rank).__name__}). "
+                        f"Fix: pass this process's rank as an int (torch.distributed.get_rank()), or "
+                        f"None for a single process.")
+    if rank is not None and rank < 0:
+        raise ValueError(f"{where}: rank must be None or an int >= 0, got {rank!r}. Fix: pass this "
+                         f"process's rank (torch.distributed.get_rank()), or None for a single process.")
