@@ -107,3 +107,13 @@ def write_then_read(x: torch.Tensor, cache: torch.Tensor, pos: int) -> torch.Ten
     h = torch.tanh(x @ x.T)
     cache_write(cache, h, pos)
     return (cache.sum(1) * h).sum(-1)
+
+
+def write_two_layers(x: torch.Tensor, cache: torch.Tensor, pos: int) -> torch.Tensor:
+    """Two cache writes at ``pos``, each into a layer (a view) of one cache, a piece
+    between them; the last piece reads both layers."""
+    h = torch.tanh(x @ x.T)
+    cache_write(cache[0], h, pos)
+    g = torch.sigmoid(h @ h)
+    cache_write(cache[1], g, pos)
+    return (cache.sum(2) * h).sum(-1) + cache[1].sum()

@@ -209,6 +209,14 @@ def _storage(node: fx.Node) -> int | None:
     return storage_id(v.untyped_storage())
 
 
+def _view_root(node: fx.Node) -> fx.Node:
+    """The node whose memory ``node`` views (itself where it views nothing)."""
+    while (node.op == "call_function" and getattr(node.target, "is_view", False) and node.args
+           and isinstance(node.args[0], fx.Node)):
+        node = node.args[0]
+    return node
+
+
 def _can_write_in_place(graph: fx.Graph, node: fx.Node, writes: list[tuple[int, Any]]) -> bool:
     """Whether ``node`` (``auto_functionalized(_v2)``) may write ``writes`` themselves:
     no node after it reads the memory of one before its new value (a ``copy_`` into it
@@ -216,6 +224,7 @@ def _can_write_in_place(graph: fx.Graph, node: fx.Node, writes: list[tuple[int, 
     if not all(isinstance(b, fx.Node) and "val" in b.meta and _storage(b) is not None for _, b in writes):
         return False
     old = {_storage(b) for _, b in writes}
+    roots = {_view_root(b) for _, b in writes}
     news = [u for u in node.users if u.target is operator.getitem]
     fresh = {_storage(u) for u in news} - {None}
     after = False
@@ -234,6 +243,11 @@ def _can_write_in_place(graph: fx.Graph, node: fx.Node, writes: list[tuple[int, 
                     return False
                 continue
             if "val" not in a.meta:
+                # an input of no known value (a Python int of the call, rewired after
+                # specialisation): AOTAutograd's inputs do not overlap, so only the
+                # input a written tensor views can hold its memory
+                if a.op == "placeholder" and a not in roots:
+                    continue
                 return False
             sid = _storage(a)
             if sid is not None and (sid in old or (n.op == "output" and sid in fresh)):
