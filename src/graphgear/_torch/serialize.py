@@ -173,7 +173,7 @@ def serializable_guard_filter(unpicklable_free: Sequence[str] = (),
     def keep(g: Any, values: dict[str, Any]) -> bool:
         if g.guard_type in bad or any(t in bad for t in g.derived_guard_types):
             if g.is_global and on_identity_global is not None:
-                root = re.match(r"G\['[^']*'\]", g.name)
+                root = re.search(r"G\['[^']*'\]", g.name)
                 on_identity_global(g.name, g.value, values.get(root.group()) if root else None)
             return False
         root = re.split(r"[.\[]", g.name, maxsplit=1)[0]

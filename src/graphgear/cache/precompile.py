@@ -164,14 +164,13 @@ class _GlobalIdentities:
     unguardable: list[str] = dataclasses.field(default_factory=list)
 
     def report(self, guard: str, value: Any, root_value: Any) -> None:
-        m = re.match(r"G\['([^']*)'\]", guard)
-        if m is None:
-            self.unguardable.append(guard)
+        m = re.search(r"G\['([^']*)'\]", guard)
+        if m is None:  # no module global's value (torch's own filter drops it too)
             return
         root = m.group(1)
-        if root.startswith(DYNAMO_GLOBAL_PREFIXES):
-            return
-        if m.end() == len(guard):
+        if root.startswith(DYNAMO_GLOBAL_PREFIXES) or "type(" in guard[:m.start()]:
+            return  # code reached through a module, or the class of a global (its code)
+        if m.start() == 0 and m.end() == len(guard):
             root_value = value
         elif root_value is None:
             root_value = self.live.get(root)
