@@ -6,7 +6,7 @@ Modules: :mod:`.engine` (the device-neutral engine: one per static graph), :mod:
 compiler before the engine exists), :mod:`.devices` (the device graphs by device type:
 ``cpu_graph``, graphgear's own; ``cuda_graph``, ``torch.cuda.CUDAGraph``; ``npu_graph``,
 ``torch.npu.NPUGraph``), :mod:`.group` (what the engines of one FX graph share: pool,
-capture count), :mod:`.pool` and :mod:`.liveness` (memory and stale outputs),
+capture count), :mod:`.pool`, :mod:`.liveness` and :mod:`.steps` (memory, stale outputs, steps),
 :mod:`.rules` (what cannot be captured), :mod:`.failures` (what happens then),
 :mod:`.program` (Inductor's generated code read as a list of kernel calls). This layer
 imports no compiler: the mode compiler that uses it is
@@ -37,7 +37,9 @@ The rules every capture follows (DESIGN.md):
 * **outputs** live in the pool and are overwritten by the next replay in that pool;
   each is handed out through an alias whose storage the next replay in that memory
   poisons, so reading a stale output, or any view of it, raises ``RuntimeError`` naming
-  the fix (``liveness``). ``clone_output`` returns fresh tensors (always done for
+  the fix (``liveness``); a replay in the same top-level call (``steps``: a block called
+  twice in one forward) while that call's outputs are alive runs in a second capture
+  with memory of its own (a lane of the pool) instead. ``clone_output`` returns fresh tensors (always done for
   training graphs, whose outputs are saved for backward or become gradients, and
   outlive the next replay, and where this process cannot poison storages).
 * **what cannot be captured** (``rules.UNCAPTURABLE``: ``.item()``, data-dependent
