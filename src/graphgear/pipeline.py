@@ -26,7 +26,7 @@ from .inputs import aot_input_names, mutated_placeholders, static_input_indices
 from .padding import PaddedBackward, PaddedCall
 from .passes import post_grad_pass_manager, static_pass_manager
 from .shapes import ShapeInfo, scalar_symbols, specialize, value_only_symbols
-from .stats import new_record
+from .stats import graph_source, new_record
 
 if TYPE_CHECKING:
     from .cache.artifacts import ArtifactStore, KeyArtifact
@@ -59,6 +59,7 @@ def compile_graph(
     """
     mode = mode_of(config)
     record = new_record(stage, mode)
+    record.source = graph_source(gm)
     t0 = time.perf_counter()
     placeholders = [n.name for n in gm.graph.find_nodes(op="placeholder")]
     names = placeholders
@@ -92,7 +93,7 @@ def compile_graph(
     )
     if artifacts is not None:
         artifacts.keep_graph(gm, example_inputs, {
-            "name": record.name, "stage": stage, "input_names": list(names), "static_inputs": static,
+            "name": record.name, "source": record.source, "stage": stage, "input_names": list(names), "static_inputs": static,
             "mutated_inputs": list(ctx.mutated_inputs), "num_nodes": record.num_nodes,
             "caller_outputs": ctx.caller_outputs})
     compiled = _compile_by_shape(gm, example_inputs, ctx, mode)
@@ -115,6 +116,7 @@ def rebuild_graph(artifacts: ArtifactStore, config: CompilerConfig) -> Callable[
     t0 = time.perf_counter()
     gm, example_inputs = artifacts.load_graph()
     record.inputs = list(meta["input_names"])
+    record.source = str(meta.get("source", ""))
     record.num_nodes = int(meta.get("num_nodes", 0))
     ctx = CompileContext(
         config=config, stage=meta["stage"], record=record, input_names=list(meta["input_names"]),

@@ -11,18 +11,23 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import os
+import re
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .debug import text_table
 
+if TYPE_CHECKING:
+    from torch import fx
+
 log = logging.getLogger(__name__)
 
-__all__ = ["GraphRecord", "Stats", "new_record", "on_reset", "record_count", "records_since", "record_joint_passes", "register_release", "reset", "stats"]
+__all__ = ["GraphRecord", "Stats", "graph_source", "new_record", "on_reset", "record_count", "records_since", "record_joint_passes", "register_release", "reset", "stats"]
 
 
 @dataclasses.dataclass
@@ -56,6 +61,10 @@ class GraphRecord:
     # the ops it is split at, with why
     pieces: list[Any] = dataclasses.field(default_factory=list)
     splits: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    # where the graph comes from: the function dynamo traced and the line of its first op
+    # (``forward (modeling_qwen2.py:195)``; "" where the graph has no stack traces, as a
+    # hand-built one): in a loop of many graphs it names each
+    source: str = ""
 
     def add_fallback(self, op: str, reason: str) -> None:
         if (op, reason) not in self.fallbacks:
@@ -87,14 +96,14 @@ class Stats:
 
     def __str__(self) -> str:
         cols = ["name", "stage", "mode", "gears", "compiles", "captures", "replays", "rebinds",
-                "uncaptured", "pieces", "fallbacks", "compile_s", "pool_bytes", "cache"]
+                "uncaptured", "pieces", "fallbacks", "compile_s", "pool_bytes", "cache", "source"]
         rows = [
             [g.name, g.stage, g.mode, str(len(g.gears)) if g.gears else "-", str(g.compiles),
              str(g.captures) + (f" ({g.recaptures} moved)" if g.recaptures else ""),
              str(g.replays), str(g.rebinds), str(g.uncaptured_runs),
              (f"{len(g.pieces)} (split at " + ", ".join(op for op, _ in g.splits) + ")") if g.pieces else "-",
              "; ".join(f"{op}: {why}" for op, why in g.fallbacks) or "-",
-             f"{g.compile_seconds:.3f}", str(g.pool_bytes), g.cache or "-"]
+             f"{g.compile_seconds:.3f}", str(g.pool_bytes), g.cache or "-", g.source or "-"]
             for g in self.graphs
         ]
         table = text_table(cols, rows, rule=False)
@@ -136,6 +145,27 @@ def records_since(n: int) -> list[GraphRecord]:
     """The records created after :func:`record_count` returned ``n``."""
     with _lock:
         return list(_records[n:])
+
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+_RESUME = re.compile(r"torch_dynamo_resume_in_(\w+)_at_(\d+)$")
+
+
+def graph_source(gm: fx.GraphModule) -> str:
+    """Where ``gm`` comes from, read from its nodes' ``stack_trace``: the function dynamo
+    traced and the file and line of the graph's first op (``forward (modeling_qwen2.py:
+    195)``). The code after a graph break (dynamo's resume function) is named after the
+    function it resumes: ``forward after line 207 (modeling_qwen2.py:208)``."""
+    for node in gm.graph.nodes:
+        trace = node.meta.get("stack_trace") if node.op == "call_function" else None
+        frames = _FRAME.findall(trace or "")
+        if not frames:
+            continue
+        path, line, func = frames[0]
+        resumed = _RESUME.match(func)
+        name = f"{resumed.group(1)} after line {resumed.group(2)}" if resumed else func
+        return f"{name} ({os.path.basename(path)}:{line})"
+    return ""
 
 
 def new_record(stage: str, mode: str) -> GraphRecord:
