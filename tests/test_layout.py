@@ -22,7 +22,8 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "graphgear"
 LAYERS: list[set[str]] = [
     # the cache's folders and trust check import nothing of graphgear: capture uses them
     {"graphgear.errors", "graphgear._torch", "graphgear.cache.store",
-     "graphgear.op_names"},  # split_ops names checked against the registered ops
+     "graphgear.op_names",  # split_ops names checked against the registered ops
+     "graphgear.option_tree"},  # Option and Section: the validated tree CompilerConfig is made of
     {"graphgear.config", "graphgear.stats", "graphgear.debug", "graphgear.context", "graphgear.datadump",
      "graphgear.dumpfiles", "graphgear.accuracy"},
     {"graphgear.option_checks"},  # options without effect in a mode, combinations that cannot work

@@ -10,14 +10,13 @@ two configs (and two backends) never share state.
 
 from __future__ import annotations
 
-import copy
-import difflib
 import reprlib
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from .errors import ConfigError
 from .op_names import clean_split_ops, split_ops_problem
+from .option_tree import Option, Section, did_you_mean
 
 __all__ = [
     "OPTION_ALIASES",
@@ -32,54 +31,6 @@ __all__ = [
     "Option",
     "apply_options",
 ]
-
-
-class Option:
-    """One validated leaf option.
-
-    ``choices`` lists the allowed values; ``check`` is a predicate for open sets (its
-    ``allowed`` text is shown in errors).
-    """
-
-    def __init__(
-        self,
-        default: Any,
-        doc: str,
-        *,
-        choices: tuple[Any, ...] | None = None,
-        check: Callable[[Any], bool] | None = None,
-        allowed: str | None = None,
-        explain: Callable[[Any], str | None] | None = None,
-        convert: Callable[[Any], Any] | None = None,
-    ) -> None:
-        self.default = default
-        self.doc = doc
-        self.choices = choices
-        self.check = check
-        self.explain = explain  # what is wrong with a value (None: nothing), for errors
-        self.convert = convert  # the stored form of a valid value
-        self.allowed = allowed or (", ".join(repr(c) for c in choices) if choices else "any value")
-        self.name = ""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    def validate(self, path: str, value: Any) -> Any:
-        if self.choices is not None:
-            # bool is an int: compare by type too so 1 is not accepted for True.
-            if not any(value is c or (type(value) is type(c) and value == c) for c in self.choices):
-                raise ConfigError(
-                    f"graphgear: option {path!r} got {value!r}; allowed values: {self.allowed}."
-                )
-        elif self.check is not None and not self.check(value):
-            raise ConfigError(
-                f"graphgear: option {path!r} got {value!r}; allowed values: {self.allowed}."
-            )
-        if self.explain is not None and (problem := self.explain(value)) is not None:
-            raise ConfigError(
-                f"graphgear: option {path!r} got {value!r}: {problem}. Allowed values: {self.allowed}."
-            )
-        return self.convert(value) if self.convert is not None else value
 
 
 def _is_int(lo: int) -> Callable[[Any], bool]:
@@ -105,116 +56,7 @@ def _is_steps(v: Any) -> bool:
     return isinstance(v, tuple | list) and all(_is_int(0)(x) for x in v)
 
 
-class _Section:
-    """Base for one config section: options are class-level ``Option`` descriptors,
-    sub-sections are class-level ``_Section`` subclasses; values live in the instance."""
-
-    _aliases: dict[str, str] = {}
-
-    def __init__(self, _path: str = "") -> None:
-        object.__setattr__(self, "_path", _path)
-        values: dict[str, Any] = {}
-        subs: dict[str, _Section] = {}
-        for name, opt in self._options().items():
-            values[name] = copy.deepcopy(opt.default)
-        for name, cls in self._sections().items():
-            subs[name] = cls(f"{_path}{name}.")
-        object.__setattr__(self, "_values", values)
-        object.__setattr__(self, "_subs", subs)
-
-    @classmethod
-    def _options(cls) -> dict[str, Option]:
-        out: dict[str, Option] = {}
-        for klass in reversed(cls.__mro__):
-            for name, v in vars(klass).items():
-                if isinstance(v, Option):
-                    out[name] = v
-        return out
-
-    @classmethod
-    def _sections(cls) -> dict[str, type[_Section]]:
-        out: dict[str, type[_Section]] = {}
-        for klass in reversed(cls.__mro__):
-            for name, v in vars(klass).items():
-                if isinstance(v, type) and issubclass(v, _Section) and not name.startswith("_"):
-                    out[name] = v
-        return out
-
-    def _known(self) -> list[str]:
-        return sorted([*self._values, *self._subs, *self._aliases])
-
-    def __getattribute__(self, name: str) -> Any:
-        if not name.startswith("_"):
-            d = object.__getattribute__(self, "__dict__")
-            if name in d.get("_values", {}):
-                return d["_values"][name]
-            if name in d.get("_subs", {}):
-                return d["_subs"][name]
-            aliases = type(self)._aliases
-            if name in aliases:
-                return d["_values"][aliases[name]]
-        return object.__getattribute__(self, name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        name = self._aliases.get(name, name)
-        if name in self._subs:
-            raise ConfigError(
-                f"graphgear: {self._path}{name} is a section, not an option; assign its "
-                f"options instead, e.g. config.{self._path}{name}.<option> = value. "
-                f"Options there: {', '.join(self._subs[name]._known())}."
-            )
-        if name not in self._values:
-            torchair = {a: f"TorchAir's name of {self._path}{t}" for a, t in self._aliases.items()}
-            raise ConfigError(
-                f"graphgear: unknown option {self._path + name!r}; known options here: "
-                f"{', '.join(self._known())}.{_did_you_mean(name, self._known(), torchair)}"
-            )
-        opt = self._options()[name]
-        self._values[name] = opt.validate(self._path + name, value)
-
-    def __iter__(self) -> Iterator[tuple[str, Any]]:
-        """Yield ``(dotted_path, value)`` for every leaf option."""
-        for name, value in self._values.items():
-            yield self._path + name, value
-        for sub in self._subs.values():
-            yield from sub
-
-    def as_dict(self) -> dict[str, Any]:
-        """Nested plain dict of every option's value."""
-        out: dict[str, Any] = dict(self._values)
-        for name, sub in self._subs.items():
-            out[name] = sub.as_dict()
-        return out
-
-    def _load(self, data: Mapping[str, Any]) -> None:
-        for key, value in data.items():
-            key = self._aliases.get(key, key)
-            if key in self._subs:
-                if not isinstance(value, Mapping):
-                    raise ConfigError(
-                        f"graphgear: {self._path}{key} is a section and needs a dict, got {value!r}."
-                    )
-                self._subs[key]._load(value)
-            else:
-                setattr(self, key, value)
-
-    def __eq__(self, other: object) -> bool:
-        return type(other) is type(self) and self.as_dict() == other.as_dict()  # type: ignore[union-attr]
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.as_dict()!r})"
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> _Section:
-        new = type(self)(self._path)
-        new._load(self.as_dict())
-        return new
-
-    def copy(self) -> Any:
-        """An independent copy."""
-        return copy.deepcopy(self)
-
-
-class GraphDumpConfig(_Section):
+class GraphDumpConfig(Section):
     """``debug.graph_dump``: a file of each graph at each stage, ``gg_<seq>_<graph>_<stage>.<ext>``
     (see ``graphgear.debug``)."""
 
@@ -223,7 +65,7 @@ class GraphDumpConfig(_Section):
     path = Option(".", "folder the dumps go to", check=_is_str, allowed="a non-empty path string")
 
 
-class FxSummaryConfig(_Section):
+class FxSummaryConfig(Section):
     """``debug.fx_summary``: a CSV of each graph's ops, ``gg_<seq>_<graph>_summary.csv``, with
     the columns ``op,count,supported,note``."""
 
@@ -232,7 +74,7 @@ class FxSummaryConfig(_Section):
     path = Option(".", "folder the summaries go to", check=_is_str, allowed="a non-empty path string")
 
 
-class DataDumpConfig(_Section):
+class DataDumpConfig(Section):
     """``debug.data_dump``: the output of each selected node of each graph, per call, for
     accuracy work (as TorchAir's data dump; see ``graphgear.debug.compare``). While it is
     on, graphgear runs each graph op by op (nothing is compiled or captured) and writes
@@ -252,7 +94,7 @@ class DataDumpConfig(_Section):
                    check=_is_names, allowed="a tuple or list of node-name globs", convert=tuple)
 
 
-class DebugConfig(_Section):
+class DebugConfig(Section):
     """``debug``: graph dumps, op summaries, data dumps, and running the graph without
     compiling it. ``force_eager`` (TorchAir's npugraph_ex name) is an alias of ``run_eagerly``."""
 
@@ -264,7 +106,7 @@ class DebugConfig(_Section):
                          choices=_BOOL)
 
 
-class ExperimentalConfig(_Section):
+class ExperimentalConfig(Section):
     """``experimental_config``: the FX passes and their switches. ``npu_fx_pass`` (TorchAir's
     name) is an alias of ``fx_passes``."""
 
@@ -330,7 +172,7 @@ def _clean_input_gears(v: Mapping[str, Mapping[int, Any]]) -> dict[str, dict[int
     return {name: {dim: sorted(set(sizes)) for dim, sizes in dims.items()} for name, dims in v.items()}
 
 
-class InferenceConfig(_Section):
+class InferenceConfig(Section):
     """``inference_config``: gears (a fixed set of sizes per dim, one graph each) and gear padding."""
 
     dynamic_gears_merge_policy = Option("zip", "how gears of several dims combine",
@@ -349,7 +191,7 @@ def _is_pool(v: Any) -> bool:
     return v is None or (isinstance(v, tuple) and len(v) == 2) or hasattr(v, "pool_id")
 
 
-class CaptureConfig(_Section):
+class CaptureConfig(Section):
     """``capture_config``: capture and replay, in ``reduce-overhead`` mode. ``use_graph_pool`` and
     ``reuse_graph_pool_in_same_fx`` (TorchAir's npugraph_ex names) are aliases of
     ``use_custom_pool`` and ``reuse_pool_across_gears``."""
@@ -395,7 +237,7 @@ class CaptureConfig(_Section):
                              "problems: slow)", choices=_BOOL)
 
 
-class CompilerConfig(_Section):
+class CompilerConfig(Section):
     """The whole configuration of a graphgear backend.
 
     >>> config = CompilerConfig()
@@ -432,7 +274,7 @@ class CompilerConfig(_Section):
         """Every leaf option by its dotted path."""
         out: dict[str, Option] = {}
 
-        def walk(section: type[_Section], prefix: str) -> None:
+        def walk(section: type[Section], prefix: str) -> None:
             for name, opt in section._options().items():
                 out[prefix + name] = opt
             for name, sub in section._sections().items():
@@ -489,20 +331,10 @@ def _resolve_key(key: str) -> str:
     targets = {leaf: p for p in paths for leaf in unique_leaves if p.rsplit(".", 1)[-1] == leaf}
     targets |= {a: f"TorchAir's name of {t}" for a, t in {**aliases, **OPTION_ALIASES}.items()}
     raise ConfigError(
-        f"graphgear: unknown option {key!r}.{_did_you_mean(key, [*paths, *targets], targets)} Known "
+        f"graphgear: unknown option {key!r}.{did_you_mean(key, [*paths, *targets], targets)} Known "
         f"options: {', '.join(sorted(paths))} (unique leaf names also work: {', '.join(unique_leaves)}; "
         f"so do TorchAir's names: {', '.join(sorted(OPTION_ALIASES))})."
     )
-
-
-def _did_you_mean(key: str, names: Iterable[str], targets: Mapping[str, str]) -> str:
-    """`` Did you mean ...?`` naming the up to three ``names`` closest to ``key`` (each
-    with ``targets[name]``, what it names, where given), or ``""`` when none is close."""
-    close = difflib.get_close_matches(key, sorted(set(names)), n=3, cutoff=0.75)
-    if not close:
-        return ""
-    described = [f"{c!r} ({targets[c]})" if c in targets else repr(c) for c in close]
-    return f" Did you mean {' or '.join(described)}?"
 
 
 def check_options(options: Any) -> None:
