@@ -26,7 +26,6 @@ import inspect
 import io
 import logging
 import os
-import pickle
 import time
 from collections.abc import Callable
 from typing import Any
@@ -48,6 +47,7 @@ from ..backend import get_backend
 from ..config import CompilerConfig
 from ..gears import get_dim_gears, set_dim_gears
 from ..stats import record_count, records_since
+from .arguments import check_arguments, name_of, unguardable_reason, unsupported_fix, unsupported_reason
 from .entry import SUFFIX, _differing, _read_header, _read_trusted, _write_entry
 from .key import GearsOf, _digest, _signature, key_parts
 from .precompile import (
@@ -91,12 +91,6 @@ def _with_gears(args_kwargs: Any, gears_of: GearsOf) -> Any:
         return view
 
     return pytree.tree_map_only(torch.Tensor, mark, args_kwargs)
-
-
-def _name_of(fn: Any) -> str:
-    target = type(fn) if isinstance(fn, nn.Module) else fn
-    name = getattr(target, "__qualname__", None) or type(target).__name__
-    return "".join(c if c.isalnum() or c in "_-" else "_" for c in name)[:60]
 
 
 @dataclasses.dataclass
@@ -242,7 +236,7 @@ class CachedFunction:
                 variants.append(c)
                 if self._accepts(c, call_args, call_kwargs):
                     log.info("graphgear cache: %s: variant %d of key %s serves this call",
-                             _name_of(self.fn), len(variants) - 1, key[:12])
+                             name_of(self.fn), len(variants) - 1, key[:12])
                     return c
                 if fresh:
                     return None  # compiled for this very call and still rejecting it: no more
@@ -253,7 +247,7 @@ class CachedFunction:
         pattern has it; ``torch.save`` of such a module) as a stateless placeholder: the
         wrapper's compiled entries, guard managers and locks cannot be pickled and must not
         travel. ``copy.deepcopy`` builds a fresh wrapper instead (``__deepcopy__``)."""
-        return _UnpickledCachedFunction, (_name_of(self.fn),)
+        return _UnpickledCachedFunction, (name_of(self.fn),)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> CachedFunction:
         fn = self.fn
@@ -280,13 +274,13 @@ class CachedFunction:
                         "spec reject this call (module state or globals that differ from each "
                         "entry's; a spec holds at most %d entries, one per state); it runs through "
                         "torch.compile with graphgear instead, without the cache. Fix: keep the "
-                        "module's attributes to a few states between calls.", _name_of(self.fn),
+                        "module's attributes to a few states between calls.", name_of(self.fn),
                         MAX_VARIANTS)
         return self._uncached()(*args, **kwargs)
 
     def _entry_path(self, folder: str, key: str, variant: int) -> str:
         tail = f"-v{variant}" if variant else ""
-        return os.path.join(folder, f"{_name_of(self.fn)}-{key[:24]}{tail}{SUFFIX}")
+        return os.path.join(folder, f"{name_of(self.fn)}-{key[:24]}{tail}{SUFFIX}")
 
     def _load_or_compile(self, key: str, variant: int, parts: dict[str, str], args: tuple[Any, ...],
                          kwargs: dict[str, Any]) -> Any:
@@ -341,7 +335,7 @@ class CachedFunction:
 
     def _log_miss(self, folder: str, parts: dict[str, str]) -> None:
         """One log line naming the key part that differs from the nearest entry of this function."""
-        prefix = _name_of(self.fn) + "-"
+        prefix = name_of(self.fn) + "-"
         best: list[str] | None = None
         for fname in os.listdir(folder):
             if not (fname.startswith(prefix) and fname.endswith(SUFFIX)):
@@ -355,13 +349,13 @@ class CachedFunction:
             if best is None or len(diff) < len(best):
                 best = diff
         if best is None:
-            log.info("graphgear cache: miss for %s (no entry for it in %s)", _name_of(self.fn), folder)
+            log.info("graphgear cache: miss for %s (no entry for it in %s)", name_of(self.fn), folder)
         elif not best:
             log.info("graphgear cache: miss for %s: a new entry for this key, for module state or "
-                     "globals no stored entry's guards accept", _name_of(self.fn))
+                     "globals no stored entry's guards accept", name_of(self.fn))
         else:
             log.info("graphgear cache: miss for %s: key part(s) differ from the nearest entry: %s",
-                     _name_of(self.fn), ", ".join(best))
+                     name_of(self.fn), ", ".join(best))
 
     def _compile(self, args: tuple[Any, ...], kwargs: dict[str, Any], path: str | None, key: str,
                  parts: dict[str, str], variant: int = 0) -> Any:
@@ -379,7 +373,7 @@ class CachedFunction:
         except Exception as e:  # what torch's precompile cannot save is served uncached
             return self._unsupported(e, n0)
         if identities.unguardable:  # a global only dynamo's identity guard could check
-            return self._unsupported(_unguardable_reason(identities.unguardable), n0)
+            return self._unsupported(unguardable_reason(identities.unguardable), n0)
         compiled.disable_guard_check()  # __call__ checks them first, once
         self._live[id(compiled)] = _LiveGlobals(compiled, self._globals, identities.objects)
         stored = _Stored(path, aot_compiled_backend_result(compiled), -1, dict(identities.named))
@@ -395,12 +389,12 @@ class CachedFunction:
         its guards or closure that cannot be pickled, a graph break under ``fullgraph``):
         the call is served through plain ``torch.compile`` with graphgear, uncached; one
         warning per wrapper, and ``stats()`` records ``cache="unsupported"``."""
-        reason = error if isinstance(error, str) else _unsupported_reason(error)
+        reason = error if isinstance(error, str) else unsupported_reason(error)
         if not self._warned_unsupported:
             self._warned_unsupported = True
             log.warning("graphgear cache: %s cannot be stored in the compile cache: %s. It runs "
                         "through torch.compile with graphgear, without the cache. Fix: %s",
-                        _name_of(self.fn), reason, _unsupported_fix(reason))
+                        name_of(self.fn), reason, unsupported_fix(reason))
         for rec in records_since(n0):  # records of the precompile that failed
             rec.cache, rec.cache_reason = "unsupported", reason
         return _Unsupported(self._uncached(), reason)
@@ -414,7 +408,7 @@ class CachedFunction:
         try:
             external = {**_closure_objects(self._func), **_global_objects(live_global_names(compiled)[1])}
             payload = type(compiled).serialize(compiled, external).serialized_data
-            _write_entry(path, _name_of(self.fn), key, parts, payload, {"globals": stored.named_globals})
+            _write_entry(path, name_of(self.fn), key, parts, payload, {"globals": stored.named_globals})
         except Exception as e:  # a cache that cannot be written must not break serving
             log.warning("graphgear cache: could not store %s: %s", path, e)
             return False
@@ -452,35 +446,6 @@ class _UnpickledCachedFunction:
                            "loaded object (TorchAir's pattern: in its __init__ or after loading).")
 
 
-def _unsupported_reason(error: BaseException) -> str:
-    """The first line of the innermost error of a failed precompile (torch wraps them)."""
-    while error.__cause__ is not None and not isinstance(error, (TypeError, pickle.PicklingError)):
-        error = error.__cause__
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
-
-
-def _unguardable_reason(guards: list[str]) -> str:
-    """Why a function whose globals only dynamo's identity guards could check is not
-    stored: the globals, by name."""
-    names = sorted({g.split("'")[1] if g.startswith("G['") else g for g in guards})
-    return (f"the global(s) {', '.join(names)} of the traced code can only be checked by "
-            f"identity (guards {', '.join(guards[:4])}), which no later process can check")[:300]
-
-
-def _unsupported_fix(reason: str) -> str:
-    if "checked by identity" in reason:
-        return ("bind such a global to a function or class defined by name at module level "
-                "(def, not a lambda or an instance), or pass it to the function as an argument")
-    if "local scope" in reason or "<locals>" in reason:
-        return ("define the class or function at module level (not inside a function), so a "
-                "later process can import it by name")
-    if "pickle" in reason.lower():
-        return ("keep objects that cannot be pickled (locks, open files, compiled wrappers) out of "
-                "what the function reads: pass them as arguments or hold them outside the module")
-    return "make the function compile with torch.compile(fullgraph=True), or call it uncached"
-
-
 def cache_compile(fn: Any, *, config: CompilerConfig | None = None, cache_dir: str | None = None,
                   dynamic: bool = True, rank: int | None = None) -> CachedFunction:
     """Compile ``fn`` (a function, an ``nn.Module`` or a module's bound method) with
@@ -503,35 +468,5 @@ def cache_compile(fn: Any, *, config: CompilerConfig | None = None, cache_dir: s
     Raises ``TypeError`` or ``ValueError`` naming the argument, for an ``fn`` that is not
     callable or is a generator function, a ``config`` that is not a ``CompilerConfig``, a
     ``dynamic`` that is not a bool, a ``rank`` that is not ``None`` or an int >= 0."""
-    _check_arguments(fn, config, dynamic, rank)
+    check_arguments(fn, config, dynamic, rank)
     return CachedFunction(fn, config if config is not None else CompilerConfig(), cache_dir, dynamic, rank)
-
-
-def _check_arguments(fn: Any, config: Any, dynamic: Any, rank: Any) -> None:
-    """:func:`cache_compile`'s arguments, checked before anything is compiled."""
-    where = "graphgear.inference.cache_compile"
-    if not callable(fn):
-        raise TypeError(f"{where}: fn must be a function, an nn.Module or a module's bound method, got "
-                        f"{type(fn).__name__} ({fn!r:.60}). Fix: pass the function itself, not the "
-                        f"result of calling it: cache_compile(step), not cache_compile(step(x)).")
-    target = type(fn).forward if isinstance(fn, nn.Module) else getattr(fn, "__func__", fn)
-    if inspect.isgeneratorfunction(target) or inspect.isasyncgenfunction(target):
-        raise TypeError(f"{where}: fn {_name_of(fn)} is a generator function, which cannot be compiled "
-                        f"as one graph (each next() resumes its frame). Fix: cache the function the "
-                        f"generator calls for each item, cache_compile(step), and keep the loop in the "
-                        f"generator.")
-    if config is not None and not isinstance(config, CompilerConfig):
-        raise TypeError(f"{where}: config must be a graphgear.CompilerConfig, got {type(config).__name__}. "
-                        f"Fix: pass graphgear.CompilerConfig.from_dict(d) for a dict d of options, or "
-                        f"leave config=None for the defaults.")
-    if not isinstance(dynamic, bool):
-        raise TypeError(f"{where}: dynamic must be True or False, got {dynamic!r} "
-                        f"({type(dynamic).__name__}). Fix: dynamic=True keeps the dims marked by "
-                        f"set_dim_gears dynamic; dynamic=False compiles every dim static.")
-    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
-        raise TypeError(f"{where}: rank must be None or an int >= 0, got {rank!r} ({type(rank).__name__}). "
-                        f"Fix: pass this process's rank as an int (torch.distributed.get_rank()), or "
-                        f"None for a single process.")
-    if rank is not None and rank < 0:
-        raise ValueError(f"{where}: rank must be None or an int >= 0, got {rank!r}. Fix: pass this "
-                         f"process's rank (torch.distributed.get_rank()), or None for a single process.")
