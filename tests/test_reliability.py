@@ -1273,3 +1273,26 @@ def test_a_process_that_exits_after_replays_prints_no_shutdown_errors() -> None:
     p = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=600)
     assert p.returncode == 0 and "ok" in p.stdout, p.stderr[-3000:]
     assert "Exception ignored" not in p.stderr, p.stderr[-3000:]
+
+
+def test_the_extension_build_folder_is_private_at_every_level(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU graph's extension folder is made under the user's cache root with every
+    folder it creates at mode 0700: ``mkdir(parents=True, mode=0o700)`` made the parents
+    0755, and a later process then refused ``~/.cache/graphgear`` as the Inductor cache
+    (it fell back to a cold temporary folder, with a warning)."""
+    from graphgear.cache.store import inductor_cache_dir, make_private_dirs
+    from graphgear.capture import liveness
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv("GRAPHGEAR_EXTENSIONS_DIR", raising=False)
+    folder = liveness.extension_dir()
+    assert str(folder).startswith(str(tmp_path / "cache"))
+    make_private_dirs(str(folder))
+    for f in (folder, folder.parent, folder.parent.parent, tmp_path / "cache"):
+        assert stat.S_IMODE(os.stat(f).st_mode) == 0o700, f
+    # the Inductor cache beside it is taken, not refused
+    assert inductor_cache_dir(str(tmp_path / "cache")) == str(tmp_path / "cache" / "graphgear" / "inductor")
+    make_private_dirs(str(folder))  # existing folders are fine
+    src = Path(liveness.__file__).read_text()
+    assert "make_private_dirs(str(folder))" in src and "mkdir(parents=True" not in src

@@ -45,7 +45,8 @@ from collections.abc import Iterator
 
 log = logging.getLogger(__name__)
 
-__all__ = ["cache_folder", "default_cache_root", "entry_folder", "inductor_cache_dir", "locked",
+__all__ = ["cache_folder", "default_cache_root", "entry_folder", "inductor_cache_dir", "locked", "make_private_dirs",
+           "tighten_own_folder",
            "stat_unsafe_reason", "unsafe_reason", "use_private_inductor_cache"]
 
 #: the compile cache's folder, when set (:func:`cache_folder`)
@@ -134,6 +135,42 @@ def locked(folder: str) -> Iterator[None]:
         os.close(fd)
 
 
+def make_private_dirs(path: str) -> None:
+    """``os.makedirs(path)`` where every folder it creates gets mode 0700, not only the
+    last (``makedirs``' ``mode`` applies to the last alone: a first build of the CPU
+    graph's extension left ``~/.cache/graphgear`` open to others, and every later
+    process then refused it as the Inductor cache)."""
+    missing: list[str] = []
+    head = os.path.abspath(path)
+    while not os.path.isdir(head):
+        missing.append(head)
+        parent = os.path.dirname(head)
+        if parent == head:
+            break
+        head = parent
+    for folder in reversed(missing):
+        try:
+            os.mkdir(folder, 0o700)
+        except FileExistsError:
+            pass
+
+
+def tighten_own_folder(path: str) -> None:
+    """Close a folder of graphgear's to group and others (mode 0700) where it is the
+    current user's and nobody else could write into it: an earlier graphgear made its
+    parent folders 0755, and refusing them for ever would leave a user with a cold
+    cache and a warning in every process. A folder others could write into stays as it
+    is (the trust check refuses it: its content may be theirs)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return
+    if (stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o022
+            and stat.S_IMODE(st.st_mode) != 0o700):
+        os.chmod(path, 0o700)
+        log.info("graphgear: closed %s to group and others (mode 0700)", path)
+
+
 def _make_private(path: str) -> str | None:
     """Create ``path`` (and its parent) with mode 0700 if missing; the reason it is unsafe."""
     parent = os.path.dirname(path)
@@ -144,6 +181,7 @@ def _make_private(path: str) -> str | None:
             pass
         except OSError as e:
             return f"cannot create {folder} ({e.strerror})"
+        tighten_own_folder(folder)
         reason = unsafe_reason(folder)
         if reason is not None:
             return f"{folder}: {reason}"

@@ -64,7 +64,7 @@ from .._torch.storage import (
     storage_use_count,
     tensor_use_count,
 )
-from ..cache.store import default_cache_root, unsafe_reason
+from ..cache.store import default_cache_root, make_private_dirs, tighten_own_folder, unsafe_reason
 
 log = logging.getLogger(__name__)
 
@@ -125,8 +125,9 @@ def build_extension(folder: Path | None = None, timeout: float | None = None) ->
             mod = _load_built(folder)
             if mod is not None:
                 return mod
-        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        make_private_dirs(str(folder))
         for f in (folder.parent, folder):  # it will hold a library this process loads
+            tighten_own_folder(str(f))
             reason = unsafe_reason(str(f))
             if reason is not None:
                 raise PermissionError(f"{f}: {reason}")
