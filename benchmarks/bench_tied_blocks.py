@@ -26,10 +26,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import torch
-from torch import nn
+from graphgear.cache.store import use_private_inductor_cache  # noqa: E402
 
-import graphgear
+use_private_inductor_cache()
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+import graphgear  # noqa: E402
 
 try:
     from graphgear.capture.steps import StepClock
