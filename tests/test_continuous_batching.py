@@ -45,9 +45,9 @@ def _qwen2() -> torch.nn.Module:
 def test_generate_batch_with_graphgear_gives_eager_tokens_and_compiles_nothing_on_a_repeat_wave(
         mode: str) -> None:
     """Waves of prompts of new lengths through one persistent manager give eager's
-    tokens, and a wave of shapes seen before compiles nothing (no dynamo frame, no
-    graphgear compile). Captures are not counted: the loop runs every wave on a new
-    thread, and reduce-overhead's captures belong to the thread that made them."""
+    tokens, and a wave of shapes seen twice before compiles and captures nothing (no
+    dynamo frame, no graphgear compile or capture), although the loop runs every wave on
+    a new thread: the next thread takes over the captures of the one that ended."""
     from torch._dynamo.utils import counters
     from transformers import CompileConfig, ContinuousBatchingConfig, GenerationConfig
 
@@ -76,12 +76,12 @@ def test_generate_batch_with_graphgear_gives_eager_tokens_and_compiles_nothing_o
     assert graphs and all(r.mode == mode for r in graphs)
     assert all(r.source for r in graphs), [r.name for r in graphs if not r.source]
     assert any("modeling_qwen2.py" in r.source for r in graphs)
-    before = (counters["frames"]["ok"], sum(r.compiles for r in graphs))
+    before = (counters["frames"]["ok"], sum(r.compiles for r in graphs), sum(r.captures for r in graphs))
     out = model.generate_batch(waves[0], generation_config=gen, continuous_batching_config=compiled_cfg,
                                persistent_manager=True)
     assert tokens(out) == eager[0]
     graphs = graphgear.stats().graphs
-    after = (counters["frames"]["ok"], sum(r.compiles for r in graphs))
-    assert after == before, f"(frames, compiles) before {before}, after {after}"
+    after = (counters["frames"]["ok"], sum(r.compiles for r in graphs), sum(r.captures for r in graphs))
+    assert after == before, f"(frames, compiles, captures) before {before}, after {after}"
     if mode == "reduce-overhead":
         assert sum(r.replays for r in graphs) > 0

@@ -127,11 +127,25 @@ class CaptureEngine:
         inputs bound in place died (another thread's are its own to release)."""
         alive = {t.ident for t in threading.enumerate()}
         me = threading.get_ident()
-        self._release_where(lambda k, e: k[0] not in alive
+        self._release_where(lambda k, e: (k[0] not in alive and e.pool.heir(k[0]) not in alive)
                             or (k[0] == me and any(r.expired() for r in e.bound_refs)))
-        for k in [k for k in self._staging if k[0] not in alive]:
+        for k in [k for k in self._staging if k[0] not in alive and self.pool.heir(k[0]) not in alive]:
             del self._staging[k]
         self.pool.prune(alive)
+
+    def _inherit(self) -> bool:
+        """Take over the captures of threads that ended whose arenas this thread took
+        over (``pool.MemoryPool.heir``: a server's next session thread); whether any."""
+        me = threading.get_ident()
+        moved = False
+        with self._lock:
+            for k, e in list(self.entries.items()):
+                if k[0] != me and e.pool.heir(k[0]) == me and (me, *k[1:]) not in self.entries:
+                    self.entries[(me, *k[1:])] = self.entries.pop(k)
+                    moved = True
+            for k in [k for k in self._staging if k[0] != me and self.pool.heir(k[0]) == me]:
+                self._staging[(me, k[1])] = self._staging.pop(k)
+        return moved
 
     def _release_where(self, doomed: Any) -> None:
         """Release (and forget) every entry ``doomed(key, entry)`` names."""
@@ -169,7 +183,11 @@ class CaptureEngine:
             lane, pool, arena = free
             if lane:
                 key += (_LANE, lane)
-        e = self.entries.get(key) or self._new_entry(key, args, self.pool.lane(lane), lane)
+        e = self.entries.get(key)
+        if e is None and self._inherit():
+            e = self.entries.get(key)
+        if e is None:
+            e = self._new_entry(key, args, self.pool.lane(lane), lane)
         g = e.graph
         if e.params and g is not None and self.executor.versions(e.params) != e.versions:
             e, g = self._weights_written(key, args, e), None

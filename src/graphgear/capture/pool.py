@@ -19,6 +19,16 @@ An arena holds
   a pool of its own, holding a second capture of the same code), so nothing of this
   step is overwritten.
 
+**A thread that ends leaves its arena to the next new thread.** Servers run their
+generation on a thread of their own, and some start a new one per session
+(transformers' ``generate_batch`` does, per call): releasing the arena of each thread
+that ended would capture every graph again in every session. A thread that calls into a
+pool for the first time takes over the arena of the one thread of that pool that ended
+(:meth:`MemoryPool.heir`), and the engines hand it that thread's captures. Outputs the
+ended thread handed out are overwritten by the new thread's first replay and raise when
+read, as when one thread calls again. Where several threads of the pool ended, none is
+taken over: their arenas are released as before.
+
 Who shares a pool: ``capture_config.use_custom_pool`` (one pool for several models);
 else the captures of one FX graph (``reuse_pool_across_gears``, the default); else each
 capture has a pool of its own.
@@ -42,6 +52,7 @@ log = logging.getLogger(__name__)
 __all__ = ["Arena", "MemoryPool"]
 
 _ALIGN = 64
+_MAX_HEIRS = 1024
 
 _RESET_MSG = (
     "graphgear: this tensor was an output of a reduce-overhead graph whose memory "
@@ -104,6 +115,8 @@ class MemoryPool:
         # lanes: pools of their own for graphs replayed again in one step while their
         # outputs of that step are alive (lane k: the k-th live instance)
         self._lanes: dict[int, MemoryPool] = {}
+        # thread that ended -> the thread that took over its arena (resolved in chains)
+        self._heirs: dict[int, int] = {}
 
     def lane(self, k: int) -> MemoryPool:
         """Lane ``k`` of this pool (0: the pool itself): memory of its own, shared by the
@@ -126,14 +139,42 @@ class MemoryPool:
 
     # ---- per-thread arenas -------------------------------------------------------
     def arena(self) -> Arena:
-        """The calling thread's arena (made on first use)."""
+        """The calling thread's arena: made on first use, or taken over from the one
+        thread of this pool that ended (see the module docstring)."""
         tid = threading.get_ident()
         a = self._arenas.get(tid)
         if a is None:
             with self._lock:
-                handle = self.pool_id if not self._arenas else None
-                a = self._arenas.setdefault(tid, Arena(handle))
+                a = self._arenas.get(tid) or self._take_over(tid)
+                if a is None:
+                    handle = self.pool_id if not self._arenas else None
+                    a = self._arenas.setdefault(tid, Arena(handle))
         return a
+
+    def _take_over(self, tid: int) -> Arena | None:
+        """(Under the lock.) The arena of the one thread of this pool that ended, now
+        ``tid``'s, with no step marked; None where no thread, or several, ended."""
+        alive = {t.ident for t in threading.enumerate()}
+        ended = [t for t in self._arenas if t not in alive]
+        if len(ended) != 1:
+            return None
+        old = ended[0]
+        a = self._arenas.pop(old)
+        a.clock, a.step = StepClock(), StepMark()
+        self._arenas[tid] = a
+        for k, v in list(self._heirs.items()):
+            if v == old:
+                self._heirs[k] = tid
+        self._heirs[old] = tid
+        while len(self._heirs) > _MAX_HEIRS:  # the oldest: their captures were long released
+            del self._heirs[next(iter(self._heirs))]
+        log.debug("graphgear: %s: thread %d took over the arena of thread %d, which ended",
+                  self.name, tid, old)
+        return a
+
+    def heir(self, tid: int) -> int | None:
+        """The thread that took over the arena of thread ``tid`` (which ended), if any."""
+        return self._heirs.get(tid)
 
     def prune(self, alive: Iterable[int]) -> None:
         """Release the arenas of threads not in ``alive`` (thread idents)."""
