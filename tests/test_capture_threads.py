@@ -59,7 +59,7 @@ def test_a_new_thread_takes_over_the_captures_of_the_thread_that_ended(block: nn
     first = _in_thread(lambda: session(xs[:3]))  # warm-up, capture, replay
     after_first = _counts()
     assert after_first[1] > 0
-    for i in range(3):  # three more sessions, each on a new thread
+    for _ in range(3):  # three more sessions, each on a new thread
         out = _in_thread(lambda: session(xs[3:]))
         for o, r in zip(out, ref[3:]):
             torch.testing.assert_close(o, r)
