@@ -172,15 +172,13 @@ def tighten_own_folder(path: str) -> None:
 
 
 def _make_private(path: str) -> str | None:
-    """Create ``path`` (and its parent) with mode 0700 if missing; the reason it is unsafe."""
-    parent = os.path.dirname(path)
-    for folder in (parent, path):
-        try:
-            os.mkdir(folder, 0o700)
-        except FileExistsError:
-            pass
-        except OSError as e:
-            return f"cannot create {folder} ({e.strerror})"
+    """Create ``path`` (and the folders above it) with mode 0700 if missing; the reason
+    it or its parent is unsafe."""
+    try:
+        make_private_dirs(path)
+    except OSError as e:
+        return f"cannot create {e.filename or path} ({e.strerror})"
+    for folder in (os.path.dirname(path), path):
         tighten_own_folder(folder)
         reason = unsafe_reason(folder)
         if reason is not None:
