@@ -123,3 +123,27 @@ def test_threads_alive_at_once_keep_their_own_captures_and_results() -> None:
         for i in range(2):
             for o in results[i]:
                 torch.testing.assert_close(o, model(xs[i]))
+
+
+def test_reset_between_sessions_then_a_new_thread_compiles_and_serves_again() -> None:
+    """graphgear.reset() after a session thread ended releases what it left; the next
+    thread compiles and captures afresh and gets eager's results; an output the first
+    thread handed out raises when read."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh()).eval()
+    f = _ro(model)
+    x = torch.randn(2, 8)
+
+    def session() -> torch.Tensor:
+        with torch.no_grad():
+            for _ in range(2):
+                f(x)
+            return f(x)
+
+    kept = _in_thread(session)
+    graphgear.reset()
+    with pytest.raises(RuntimeError, match="released|overwritten"):
+        kept + 1
+    out = _in_thread(lambda: session().clone())
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(x))
+    assert _counts()[1] >= 1
