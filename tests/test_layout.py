@@ -28,6 +28,7 @@ LAYERS: list[set[str]] = [
      "graphgear.dumpfiles", "graphgear.accuracy"},
     {"graphgear.option_checks"},  # options without effect in a mode, combinations that cannot work
     {"graphgear.shapes", "graphgear.inputs", "graphgear.gears",
+     "graphgear.regions",  # a graph's repeated regions outlined into one shared subgraph
      "graphgear.cache.artifacts"},  # what a cache entry keeps of a graph: the compilers record into it
     {"graphgear.dispatch"},  # a graph's callables by key, the gear guard, precompile_gears
     {"graphgear.padding"},  # gear padding: its static hazard check and the padded call

@@ -48,6 +48,7 @@ from .passes import check_disabled_passes
 from .passes.joint import joint_graph_passes, pre_grad_fusions
 from .passes.remove_cat import runs_as_is
 from .pipeline import compile_graph
+from .regions import RegionsRefused, outline_repeated_regions
 
 log = logging.getLogger(__name__)
 
@@ -291,16 +292,37 @@ class GraphgearBackend:
         # ops bring their own backward (the joint graph rarely shows the patterns whole)
         fused = pre_grad_fusions(gm, example_inputs, config)
         gm = fused if fused is not None else gm
-        return aot_module_simplified(
-            gm,
-            example_inputs,
-            fw_compiler=serializable_compiler(fw_compiler) if bundle is not None else fw_compiler,
-            bw_compiler=joint_compiler,
-            inference_compiler=inference_compiler,
-            partition_fn=_get_partition_fn(config, pre_grad_done=fused is not None),
-            decompositions=decompositions,
-            keep_inference_input_mutations=config.experimental_config.keep_inference_input_mutations,
-        )
+
+        def aot(graph: fx.GraphModule) -> Callable[..., Any]:
+            return aot_module_simplified(
+                graph,
+                example_inputs,
+                fw_compiler=serializable_compiler(fw_compiler) if bundle is not None else fw_compiler,
+                bw_compiler=joint_compiler,
+                inference_compiler=inference_compiler,
+                partition_fn=_get_partition_fn(config, pre_grad_done=fused is not None),
+                decompositions=decompositions,
+                keep_inference_input_mutations=config.experimental_config.keep_inference_input_mutations,
+            )
+
+        outlined, regions = (outline_repeated_regions(gm) if _outlines(config, bundle, example_inputs)
+                             else (gm, {}))
+        if not regions:
+            return aot(gm)
+        try:
+            return aot(outlined)
+        except RegionsRefused as e:
+            log.info("graphgear: %s; compiling every region on its own", e)
+            return aot(gm)
+        except GraphgearError:
+            raise
+        except Exception as e:  # noqa: BLE001 - torch's own refusal of the subgraph: compile it whole
+            log.warning(
+                "graphgear: the graph's repeated regions (%s) could not be compiled as shared subgraphs "
+                "(%s: %s); compiling every region on its own instead (slower to compile, same result). "
+                "To skip the attempt: experimental_config.repeated_regions = False",
+                ", ".join(f"{n} x{c}" for n, c in regions.items()), type(e).__name__, e)
+            return aot(gm)
 
 
     def compile_bundled(self, gm: fx.GraphModule, example_inputs: Sequence[Any],
@@ -314,6 +336,21 @@ class GraphgearBackend:
         with aot_bundling(tag):
             compiled = self._compile(gm, example_inputs, None, None, {}, bundle=made)
         return compiled, made
+
+
+def _outlines(config: CompilerConfig, bundle: Any, example_inputs: Sequence[Any]) -> bool:
+    """Whether the graph's repeated regions become shared subgraphs
+    (``experimental_config.repeated_regions``, :mod:`graphgear.regions`): for inference
+    graphs only (a training graph's shared subgraphs gave wrong gradients on torch 2.13),
+    not where a user asked for pieces (``split_ops``: the cuts are inside the layers),
+    for frozen weights (their packed copies are per layer), for a data dump (op by op),
+    or for the compile cache (its entries keep graphs without subgraphs)."""
+    ec = config.experimental_config
+    training = torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs)
+    return (ec.repeated_regions and not training and not ec.frozen_parameter and not config.debug.data_dump.enabled
+            and not (mode_of(config) == "reduce-overhead" and config.capture_config.split_ops)
+            and bundle is None)
 
 
 def _from_dynamo(gm: fx.GraphModule) -> bool:

@@ -114,6 +114,8 @@ class ExperimentalConfig(Section):
     fx_passes = Option(False, "joint-graph fusion passes (RMSNorm, rotary, attention)", choices=_BOOL)
     keep_inference_input_mutations = Option(True, "in-place updates of inputs stay in the graph",
                                             choices=_BOOL)
+    repeated_regions = Option(True, "a region the graph repeats (a model's identical layers) is traced and "
+                              "compiled once and called for each (graphgear.regions)", choices=_BOOL)
     frozen_parameter = Option(False, "parameter addresses are fixed: left out of the graph key "
                               "(each model's parameters still get captures of their own)", choices=_BOOL)
     remove_noop_ops = Option(True, "remove no-op ops (identity views, x+0, x*1, clones)",

@@ -25,6 +25,7 @@ from .gears import GearPlan
 from .inputs import aot_input_names, mutated_placeholders, static_input_indices
 from .padding import PaddedBackward, PaddedCall
 from .passes import post_grad_pass_manager, static_pass_manager
+from .regions import region_counts
 from .shapes import ShapeInfo, scalar_symbols, specialize, value_only_symbols
 from .stats import graph_source, new_record
 
@@ -67,6 +68,7 @@ def compile_graph(
         # the user's names, where AOTAutograd's placeholders hold dynamo's inputs
         names = aot_input_names(gm, input_names)
     record.inputs = names
+    record.regions = region_counts(gm)
     dump = config.debug.data_dump
     original = copy_graph(gm) if dump.enabled and dump.stage == "original" else None
     debug.dump_graph(gm, config, record.name, stage)
@@ -223,6 +225,7 @@ def _compile_by_shape(
             if loaded is None:
                 ctx.record.compiles += 1
             ctx.record.compile_seconds += time.perf_counter() - t0
+            ctx.record.key_seconds[str(key)] = time.perf_counter() - t0
             log.info("graphgear: %s specialised to key %s%s", ctx.record.name, key,
                      " (its pieces' code loaded from the compile cache)" if loaded is not None else "")
             return fn

@@ -65,6 +65,10 @@ class GraphRecord:
     # (``forward (modeling_qwen2.py:195)``; "" where the graph has no stack traces, as a
     # hand-built one): in a loop of many graphs it names each
     source: str = ""
+    # repeated regions (graphgear.regions): calls of each shared subgraph, by its name
+    regions: dict[str, int] = dataclasses.field(default_factory=dict)
+    # seconds each graph key (gear) took to specialise and compile, by key
+    key_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def add_fallback(self, op: str, reason: str) -> None:
         if (op, reason) not in self.fallbacks:
@@ -96,12 +100,13 @@ class Stats:
 
     def __str__(self) -> str:
         cols = ["name", "stage", "mode", "gears", "compiles", "captures", "replays", "rebinds",
-                "uncaptured", "pieces", "fallbacks", "compile_s", "pool_bytes", "cache", "source"]
+                "uncaptured", "pieces", "regions", "fallbacks", "compile_s", "pool_bytes", "cache", "source"]
         rows = [
             [g.name, g.stage, g.mode, str(len(g.gears)) if g.gears else "-", str(g.compiles),
              str(g.captures) + (f" ({g.recaptures} moved)" if g.recaptures else ""),
              str(g.replays), str(g.rebinds), str(g.uncaptured_runs),
              (f"{len(g.pieces)} (split at " + ", ".join(op for op, _ in g.splits) + ")") if g.pieces else "-",
+             ", ".join(f"{n} x{c}" for n, c in g.regions.items()) or "-",
              "; ".join(f"{op}: {why}" for op, why in g.fallbacks) or "-",
              f"{g.compile_seconds:.3f}", str(g.pool_bytes), g.cache or "-", g.source or "-"]
             for g in self.graphs

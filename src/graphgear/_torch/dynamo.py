@@ -35,6 +35,7 @@ __all__ = [
     "backend_compiler_failed",
     "compile_session",
     "compiled_call_token",
+    "copy_dynamo_graph",
     "compiled_call_generation",
     "dynamo_code_function",
     "dynamo_entries",
@@ -47,6 +48,28 @@ __all__ = [
     "module_call_hooks",
     "without_dim_markings",
 ]
+
+
+def copy_dynamo_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of dynamo's graph ``gm`` (its own graph, the same nodes' metadata) that
+    AOTAutograd still takes for dynamo's: ``gm.meta`` (``dynamo_compile_id``),
+    ``_param_name_to_source`` and each placeholder's ``_dynamo_source``.
+
+    Checked on 2.13 (``_functorch/_aot_autograd/frontend_utils.py``: AOTAutograd finds
+    the static inputs, the parameters a captured graph need not copy, from these three;
+    "When gm is modified ..., metadata needs to be propagated in order to be recognized
+    as a dynamo graph"). If they moved, a copy would be taken for a graph of unknown
+    origin: correct, but every parameter copied into static buffers at capture."""
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    copied = torch.fx.GraphModule(gm, graph)
+    copied.meta.update(getattr(gm, "meta", {}))
+    if hasattr(gm, "_param_name_to_source"):
+        copied._param_name_to_source = gm._param_name_to_source
+    for old, new in zip(gm.graph.find_nodes(op="placeholder"), graph.find_nodes(op="placeholder"), strict=True):
+        if hasattr(old, "_dynamo_source"):
+            new._dynamo_source = old._dynamo_source  # type: ignore[attr-defined]
+    return copied
 
 
 def mark_dynamic(t: torch.Tensor, dim: int) -> None:

@@ -39,7 +39,14 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils import _pytree as pytree
 
+# torch.ops.higher_order.invoke_subgraph: checked on 2.13; the op
+# torch.compiler.nested_compile_region puts in dynamo's graph, which AOTAutograd traces
+# once per subgraph and Inductor compiles once (2.8 to 2.14). If it moved, graphgear's
+# repeated regions (graphgear.regions) could not be outlined: every layer compiles.
+INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
+
 __all__ = [
+    "INVOKE_SUBGRAPH",
     "FakeTensor",
     "FakeTensorMode",
     "TracingContext",

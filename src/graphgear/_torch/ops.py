@@ -17,13 +17,15 @@ from typing import Any
 
 import torch
 
-# torch._ops.OpOverload / OpOverloadPacket: checked on 2.13; every FX graph traced by
+# torch._ops.OpOverload / OpOverloadPacket / HigherOrderOperator: checked on 2.13; every FX graph traced by
 # make_fx/AOTAutograd has them as call targets (2.11 to 2.14). If they moved, graphgear
 # could not tell aten calls from other callables (op summaries, mutated-input detection,
-# in-place recovery, the aten-graph check). ``import torch`` already imports the module.
-from torch._ops import OpOverload, OpOverloadPacket
+# in-place recovery, the aten-graph check, which nodes a repeated region may hold).
+# ``import torch`` already imports the module.
+from torch._ops import HigherOrderOperator, OpOverload, OpOverloadPacket
 
 __all__ = [
+    "HigherOrderOperator",
     "OpOverload",
     "OpOverloadPacket",
     "all_op_names",

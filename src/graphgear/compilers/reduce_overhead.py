@@ -53,6 +53,7 @@ from ..debug import op_key
 from ..errors import CaptureError, ConfigError
 from ..inputs import mutated_placeholders
 from ..op_names import split_op_problem
+from ..regions import RegionsRefused, region_subgraphs
 from .executors import FrozenExecutor, native_code
 from .inductor import compile_static
 
@@ -103,6 +104,12 @@ class ReduceOverheadCompiler:
             if ctx.loaded is not None:  # a rebuilt graph keeps no node values: the cut reads them
                 _fill_values(gm, example_inputs, [n for n in gm.graph.nodes if n.op == "call_function"])
             points = _split_points(gm, device, ctx)
+            for sub in region_subgraphs(gm):
+                inner = _split_points(sub, device, ctx)
+                if inner.nodes or inner.blocked:
+                    raise RegionsRefused(
+                        f"{ctx.record.name}: a repeated region holds ops piecewise capture cuts at "
+                        f"({', '.join(op for op, _ in inner.why) or 'uncapturable ops'})")
             if points.blocked:
                 return _uncapturable(gm, ctx, device, points.blocked)
             if points.nodes:

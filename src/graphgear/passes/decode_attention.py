@@ -179,6 +179,8 @@ def _use_kernel(gm: fx.GraphModule, node: fx.Node) -> None:
 class DecodeAttention(GraphPass):
     """See the module docstring."""
 
+    inside_regions = True
+
     name = "decode_attention"
     static_sizes = True  # MAX_MACS: a dynamic batch is decided per gear
 

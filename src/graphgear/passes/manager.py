@@ -17,6 +17,7 @@ from torch import fx
 
 from .. import debug
 from .._torch.fx import stable_topological_sort
+from ..regions import region_subgraphs
 
 if TYPE_CHECKING:
     from ..config import CompilerConfig
@@ -34,6 +35,10 @@ class GraphPass:
     #: the pass needs static sizes to decide (a size limit): it runs again on each
     #: static graph a dynamic one is specialised to (one per gear or graph key)
     static_sizes = False
+    #: the pass also runs inside each repeated region's shared subgraph
+    #: (:mod:`graphgear.regions`): it rewrites ops where it finds them, reads nothing of
+    #: the graph's own inputs, and never makes an output alias an input
+    inside_regions = False
 
     def enabled(self, config: CompilerConfig) -> bool:
         return True
@@ -101,6 +106,11 @@ class PassManager:
             name = record.name if record is not None else dump_name
             if changed and name is not None:
                 debug.dump_graph(gm, config, name, f"after_{p.name}")
+        inside = [p for p in self.passes if p.inside_regions and p.name not in disabled and p.enabled(config)]
+        for sub in region_subgraphs(gm) if inside else ():
+            # each call's copy of a shared subgraph gets the same rewrites: the same code
+            PassManager(inside).run(sub, [node_val(n) for n in sub.graph.find_nodes(op="placeholder")],
+                                    config, record, counts=counts)
         return gm
 
 

@@ -82,6 +82,8 @@ def _repeated_source(node: Any) -> tuple[fx.Node, int] | None:
 class FoldRepeatKV(GraphPass):
     """See the module docstring."""
 
+    inside_regions = True
+
     name = "fold_repeat_kv"
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], config: Any) -> int:

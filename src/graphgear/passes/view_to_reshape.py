@@ -46,6 +46,8 @@ def _origin(node: fx.Node) -> fx.Node:
 
 
 class ViewToReshape(GraphPass):
+
+    inside_regions = True
     name = "view_to_reshape"
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], config: Any) -> int:

@@ -109,6 +109,8 @@ class RouteSmallLinear(GraphPass):
     """:func:`route_small_products` as a pass of the static compile (and of max-autotune's
     inference graphs): inference graphs only (the op has no backward)."""
 
+    inside_regions = True
+
     name = "small_linear"
     static_sizes = True  # the row counts
 
