@@ -14,7 +14,7 @@ from .config import CompilerConfig
 from .errors import CaptureError, ConfigError, GearError, GraphgearError
 from .gears import set_dim_gears
 from .passes.patterns import register_replacement
-from .stats import reset, stats
+from .stats import mark_warm, reset, stats
 
 #: the package version; its one source (pyproject.toml reads it: ``[tool.setuptools.dynamic]``)
 __version__ = "0.1.0"
@@ -30,6 +30,7 @@ __all__ = [
     "get_backend",
     "get_compiler",
     "inference",
+    "mark_warm",
     "register_replacement",
     "reset",
     "set_dim_gears",

@@ -49,6 +49,7 @@ from .passes.joint import joint_graph_passes, pre_grad_fusions
 from .passes.remove_cat import runs_as_is
 from .pipeline import compile_graph
 from .regions import RegionsRefused, outline_repeated_regions
+from .stats import after_warm, graph_source
 
 log = logging.getLogger(__name__)
 
@@ -266,6 +267,12 @@ class GraphgearBackend:
                 "passes mode= and options= only."
             )
         config = self._config_for_call(mode, options)
+        source = graph_source(gm)
+        if after_warm("graph", f"dynamo handed graphgear a new graph{f' ({source})' if source else ''}",
+                      "Warm up with every input shape, dtype and code path the server meets (a size "
+                      "dynamo has not seen vary gets a graph of its own: mark such dims dynamic with "
+                      "graphgear.set_dim_gears)."):
+            return gm  # runs as it is: dynamo's graph is a callable module
         self._warn_idle_options(config, example_inputs)
         input_gears = config.inference_config.input_gears
         inputs = GraphInputs.from_dynamo(gm, example_inputs, input_gears)

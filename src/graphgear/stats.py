@@ -21,13 +21,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .debug import text_table
+from .errors import ConfigError, GraphgearError
 
 if TYPE_CHECKING:
     from torch import fx
 
 log = logging.getLogger(__name__)
 
-__all__ = ["GraphRecord", "Stats", "graph_source", "new_record", "on_reset", "record_count", "records_since", "record_joint_passes", "register_release", "reset", "stats"]
+__all__ = ["WARM_ACTIONS", "GraphRecord", "Stats", "WarmStats", "after_warm", "mark_warm", "graph_source", "new_record", "on_reset", "record_count", "records_since", "record_joint_passes", "register_release", "reset", "stats"]
 
 
 @dataclasses.dataclass
@@ -88,12 +89,15 @@ class Stats:
     """A snapshot of every :class:`GraphRecord`, in compile order, and of what the
     joint-graph fusion passes found (``joint``: one dict per run, oldest first)."""
 
-    def __init__(self, graphs: list[GraphRecord], joint: list[dict[str, Any]] | None = None) -> None:
+    def __init__(self, graphs: list[GraphRecord], joint: list[dict[str, Any]] | None = None,
+                 warm: WarmStats | None = None) -> None:
         self.graphs = graphs
         self.joint = joint or []
+        self.warm = warm if warm is not None else WarmStats()
 
     def as_dict(self) -> dict[str, Any]:
-        return {"graphs": [g.as_dict() for g in self.graphs], "joint": [dict(j) for j in self.joint]}
+        return {"graphs": [g.as_dict() for g in self.graphs], "joint": [dict(j) for j in self.joint],
+                "warm": dataclasses.asdict(self.warm)}
 
     def __len__(self) -> int:
         return len(self.graphs)
@@ -124,6 +128,72 @@ _releasers: list[weakref.ref[Any] | Callable[[], Any]] = []
 _on_reset: list[Callable[[], None]] = []
 _joint: list[dict[str, Any]] = []
 _JOINT_MAX = 1000  # the latest are kept
+
+
+# ---- the warm-up stance ---------------------------------------------------------------
+# A server warms up (precompiles its gears, serves a few requests) and then must not
+# compile while it serves: a compile in the middle of serving stalls every request behind
+# it. After mark_warm(on_new), each new graph dynamo hands the backend, and each new graph
+# key (a gear or shape: its compile and capture), is counted in stats().warm and warns,
+# raises, or runs uncompiled. Process-wide, as torch.compiler.set_stance; reset() ends it.
+
+#: what a new compile or capture does after :func:`mark_warm`
+WARM_ACTIONS = ("warn", "raise", "eager")
+_WARM_EVENTS_KEPT = 100
+
+
+@dataclasses.dataclass
+class WarmStats:
+    """``stats().warm``: the stance (``on_new``; None when not marked warm) and what came
+    after :func:`mark_warm`: new graphs (a graph dynamo handed the backend) and new keys (a
+    gear or shape of a compiled graph: compiled and captured), each described in ``events``."""
+
+    on_new: str | None = None
+    new_graphs: int = 0
+    new_keys: int = 0
+    events: list[str] = dataclasses.field(default_factory=list)
+
+
+_warm = [WarmStats()]  # one element: replaced whole under _lock
+
+
+def mark_warm(on_new: str | None = "warn") -> None:
+    """Warm-up is over: from now on a new compile or capture warns (``"warn"``), raises a
+    :class:`~graphgear.errors.GraphgearError` (``"raise"``) or runs uncompiled and
+    uncaptured (``"eager"``), and is counted in ``stats().warm``. ``None`` ends the stance
+    (so does :func:`reset`)."""
+    if on_new is not None and on_new not in WARM_ACTIONS:
+        raise ConfigError(
+            f"graphgear.mark_warm(on_new={on_new!r}): allowed values are "
+            f"{', '.join(map(repr, WARM_ACTIONS))}, or None to end the stance.")
+    with _lock:
+        _warm[0] = WarmStats(on_new=on_new)
+
+
+def after_warm(kind: str, what: str, fix: str) -> bool:
+    """Note a new ``kind`` (``"graph"`` or ``"key"``) described by ``what``; True when the
+    caller must run it uncompiled (``"eager"``). Raises under ``"raise"``; does nothing
+    when the process is not marked warm. ``fix`` says how to avoid the event."""
+    with _lock:
+        w = _warm[0]
+        if w.on_new is None:
+            return False
+        if kind == "graph":
+            w.new_graphs += 1
+        else:
+            w.new_keys += 1
+        w.events.append(what)
+        del w.events[:-_WARM_EVENTS_KEPT]
+        on_new = w.on_new
+    new = "compile" if kind == "graph" else "compile and capture"
+    message = f"graphgear: {what}: a new {new} after graphgear.mark_warm(). {fix}"
+    if on_new == "raise":
+        raise GraphgearError(f"{message} To let it compile instead: graphgear.mark_warm('warn').")
+    if on_new == "eager":
+        log.warning("%s It runs uncompiled (mark_warm('eager')).", message)
+        return True
+    log.warning("%s It compiles now (mark_warm('warn')).", message)
+    return False
 
 
 def record_joint_passes(entry: dict[str, Any]) -> None:
@@ -193,7 +263,8 @@ def register_release(obj: Any) -> None:
 def stats() -> Stats:
     """Statistics of every graph compiled since the last :func:`reset`."""
     with _lock:
-        return Stats(list(_records), list(_joint))
+        w = _warm[0]
+        return Stats(list(_records), list(_joint), dataclasses.replace(w, events=list(w.events)))
 
 
 def reset() -> None:
@@ -216,6 +287,7 @@ def reset() -> None:
         _releasers.clear()
         _records.clear()
         _joint.clear()
+        _warm[0] = WarmStats()
     for ref in releasers:
         obj = ref() if isinstance(ref, weakref.ref) else ref
         if obj is not None:

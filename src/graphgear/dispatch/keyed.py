@@ -15,6 +15,7 @@ import torch
 from .._torch.aot import boxed_convention
 from .._torch.dynamo import compile_session
 from ..shapes import with_sizes
+from ..stats import after_warm
 from .facts import GraphFacts
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,7 @@ class KeyedGraph:
         self.warmed: set[tuple[int, ...]] = set()
         self._scalar_values: dict[tuple[int, ...], set[tuple[int, ...]]] = {}
         self._storm_warned = False
+        self._eager_keys: set[tuple[int, ...]] = set()  # new after mark_warm("eager"): uncompiled
         self._lock = threading.Lock()
 
     def __call__(self, args: list[Any]) -> Any:
@@ -65,6 +67,8 @@ class KeyedGraph:
         fn = self.compiled.get(key)
         if fn is None and self.scalars and self.uncompiled is not None and self._scalar_storm(key):
             return self.uncompiled
+        if fn is None and self.per_key and self._after_warm(key):
+            return self.uncompiled  # type: ignore[return-value]
         if fn is None:
             # a run-time compile holds what dynamo holds around its own (see
             # ``compile_session``): other threads' calls wait instead of being refused
@@ -74,6 +78,25 @@ class KeyedGraph:
                     fn = self.build(key)
                     self.compiled[key] = fn
         return fn
+
+    def _after_warm(self, key: tuple[int, ...]) -> bool:
+        """A new key after ``graphgear.mark_warm()`` (``stats.after_warm``): True when it
+        runs uncompiled from now on (``"eager"``, where the graph can run as it is)."""
+        if key in self._eager_keys:
+            return True
+        record = self.facts.record
+        names = record.inputs if len(record.inputs) == len(self.info.placeholders) else [
+            p.name for p in self.info.placeholders]
+        where = [names[loc.arg] + ("" if loc.dim is None else f".shape[{loc.dim}]") for loc in self.info.locs]
+        sizes = ", ".join(f"{w}={v}" for w, v in zip(where, key))
+        source = f" ({record.source})" if record.source else ""
+        eager = after_warm("key", f"{record.name}{source} met new sizes {sizes}",
+                           "Precompile every gear before mark_warm() (graphgear.inference.precompile_gears), "
+                           "or add the size to the gears (with gear_padding, sizes between gears are padded).")
+        if eager and self.uncompiled is not None:
+            self._eager_keys.add(key)
+            return True
+        return False
 
     def _scalar_storm(self, key: tuple[int, ...]) -> bool:
         """Whether ``key`` is one more value of the Python ints in :attr:`scalars` past
