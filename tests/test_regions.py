@@ -9,7 +9,7 @@ import torch
 
 import graphgear
 from graphgear.regions import outline_repeated_regions
-from tests.helpers import check_against_eager, last_record, make_backend
+from tests.helpers import assert_close, check_against_eager, last_record, make_backend
 from tests.models.stacked import CachedStack, Stack, ViewStack
 
 MODES = ["reduce-overhead", "max-autotune", "eager"]
@@ -145,3 +145,30 @@ def test_uncapturable_op_in_a_region_falls_back_to_whole_regions() -> None:
     finally:
         torch._dynamo.config.capture_dynamic_output_shape_ops = False
     assert all(not g.regions for g in graphgear.stats().graphs)
+
+
+@pytest.mark.inductor
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
+def test_gears_specialise_a_graph_with_regions(mode: str) -> None:
+    model = Stack(depth=4).eval()
+    compiled = torch.compile(model, backend=make_backend(mode))
+    with torch.no_grad():
+        for n in [2, 4, 8, 4, 2, 8]:
+            x = torch.randn(n, 16)
+            graphgear.set_dim_gears(x, {0: [2, 4, 8]})
+            assert_close(compiled(x), model(x), reduction=64)
+    rec = last_record()
+    assert rec.regions == {"Block_0": 4} and rec.compiles == 3 and len(rec.key_seconds) == 3
+
+
+@pytest.mark.inductor
+def test_gear_padding_keeps_every_block() -> None:
+    # padding's hazard check reads every op: a padded graph is not outlined
+    model = Stack(depth=3).eval()
+    compiled = torch.compile(model, backend=make_backend("max-autotune", gear_padding=True))
+    with torch.no_grad():
+        for n in [3, 5]:
+            x = torch.randn(n, 16)
+            graphgear.set_dim_gears(x, {0: [4, 8]})
+            assert_close(compiled(x), model(x), reduction=64)
+    assert last_record().regions == {}

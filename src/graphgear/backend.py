@@ -349,13 +349,17 @@ def _outlines(config: CompilerConfig, bundle: Any, example_inputs: Sequence[Any]
     """Whether the graph's repeated regions become shared subgraphs
     (``experimental_config.repeated_regions``, :mod:`graphgear.regions`): for inference
     graphs only (a training graph's shared subgraphs gave wrong gradients on torch 2.13),
-    not where a user asked for pieces (``split_ops``: the cuts are inside the layers),
+    not with the joint-graph fusions (``fx_passes``: their patterns are matched on the
+    whole graph), not with gear padding (its hazard check reads every op), not where a
+    user asked for pieces (``split_ops``: the cuts are inside
+    the layers),
     for frozen weights (their packed copies are per layer), for a data dump (op by op),
     or for the compile cache (its entries keep graphs without subgraphs)."""
     ec = config.experimental_config
     training = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs)
-    return (ec.repeated_regions and not training and not ec.frozen_parameter and not config.debug.data_dump.enabled
+    return (ec.repeated_regions and not training and not ec.fx_passes
+            and not config.inference_config.gear_padding and not ec.frozen_parameter and not config.debug.data_dump.enabled
             and not (mode_of(config) == "reduce-overhead" and config.capture_config.split_ops)
             and bundle is None)
 

@@ -20,7 +20,8 @@ from torch import fx
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv, guarding_hint_or_throw, statically_known_true
 
-from ._torch.fx import FakeTensor, FakeTensorMode, min_args, tracing, unset_fake_temporarily
+from ._torch.fx import FakeTensor, FakeTensorMode, fake_values, min_args, tracing, unset_fake_temporarily
+from ._torch.ops import HigherOrderOperator
 
 __all__ = ["ShapeInfo", "graph_outputs", "padded_dims", "scalar_symbols", "size_outputs", "specialize", "sym_dims",
            "symbol_dims", "value_only_symbols", "with_sizes"]
@@ -271,6 +272,10 @@ def specialize(gm: fx.GraphModule, info: ShapeInfo, key: Sequence[int]) -> tuple
         ctx = mode if mode is not None else FakeTensorMode()
         with ctx:
             static = make_fx(_Runner(gm), tracing_mode="real", record_module_stack=False)(*args)
+        if any(isinstance(n.target, HigherOrderOperator) and "val" not in n.meta for n in static.graph.nodes):
+            # a higher-order op re-traced (a repeated region's shared subgraph call) is
+            # left without a value; Inductor needs every node's
+            fake_values(static, args)
     return static, args
 
 
