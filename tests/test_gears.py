@@ -61,9 +61,12 @@ def test_set_dim_gears_again() -> None:
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_one_graph_per_gear_no_recompiles(mode: str) -> None:
+@pytest.mark.parametrize("compile_sizes", [(), "all"])
+def test_one_graph_per_gear_no_recompiles(mode: str, compile_sizes) -> None:
+    # default: one compile with dynamic sizes serves every gear (reduce-overhead: a
+    # capture each); compile_sizes="all": one specialised compile per gear
     model = MLP().eval()
-    compiled = torch.compile(model, backend=make_backend(mode))
+    compiled = torch.compile(model, backend=make_backend(mode, compile_sizes=compile_sizes))
     counters.clear()
     with torch.no_grad():
         for n in [4, 1, 2, 8, 2, 4, 1]:
@@ -73,7 +76,7 @@ def test_one_graph_per_gear_no_recompiles(mode: str) -> None:
     assert sum(counters["recompiles"].values()) == 0 if "recompiles" in counters else True
     (g,) = graphgear.stats().graphs
     assert g.gears == [(1,), (2,), (4,), (8,)]
-    assert g.compiles == (1 if mode == "eager" else 4)
+    assert g.compiles == (1 if mode == "eager" or compile_sizes == () else 4)
     if mode == "reduce-overhead":  # a warm-up run, then a capture, per gear seen twice
         assert (g.uncaptured_runs, g.captures, g.replays) == (4, 3, 0)
 
@@ -106,7 +109,7 @@ def test_padding_to_next_gear(mode: str) -> None:
         with pytest.raises(GearError, match="above the largest gear"):
             compiled(geared(torch.randn(9, 16), {0: [2, 4, 8]}))
     (g,) = graphgear.stats().graphs
-    assert g.compiles == (1 if mode == "eager" else 3)
+    assert g.compiles == 1  # one compile with dynamic sizes serves every gear
 
 
 class _TokenMLP(torch.nn.Module):
@@ -209,17 +212,19 @@ def test_more_than_100_combinations_is_an_error() -> None:
 
 
 @pytest.mark.parametrize("mode", ["max-autotune", "reduce-overhead"])
-def test_precompile_builds_every_gear_before_the_first_real_call(mode: str) -> None:
+@pytest.mark.parametrize("compile_sizes", [(), "all"])
+def test_precompile_builds_every_gear_before_the_first_real_call(mode: str, compile_sizes) -> None:
     model = small_decoder().eval()
     ref = small_decoder().eval()
     ref.load_state_dict(model.state_dict())
-    compiled = torch.compile(model, backend=make_backend(mode))
+    compiled = torch.compile(model, backend=make_backend(mode, compile_sizes=compile_sizes))
+    compiles = 3 if compile_sizes == "all" else 1  # per gear, or one shared by every gear
     tok = geared(torch.randint(0, 128, (2, 1)), {0: [1, 2, 4]})
     pos = torch.tensor([0])
     with torch.no_grad():
         out = graphgear.inference.precompile_gears(compiled, tok, pos)
         (g,) = graphgear.stats().graphs
-        assert g.compiles == 3  # every gear, at start-up
+        assert g.compiles == compiles  # at start-up
         if mode == "reduce-overhead":
             assert g.captures == 3  # and captured: warm-up and capture calls per gear
         assert_close(out, ref(tok, pos), reduction=512)
@@ -229,7 +234,7 @@ def test_precompile_builds_every_gear_before_the_first_real_call(mode: str) -> N
             t = geared(torch.randint(0, 128, (b, 1)), {0: [1, 2, 4]})
             assert_close(compiled(t, torch.tensor([1])), ref(t, torch.tensor([1])), reduction=512)
     g = graphgear.stats().graphs[0]
-    assert g.compiles == 3
+    assert g.compiles == compiles
     if mode == "reduce-overhead":
         assert g.captures == 3 and g.replays == 3  # the real call and the two after it
 

@@ -149,16 +149,19 @@ def test_uncapturable_op_in_a_region_falls_back_to_whole_regions() -> None:
 
 @pytest.mark.inductor
 @pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
-def test_gears_specialise_a_graph_with_regions(mode: str) -> None:
+@pytest.mark.parametrize("compile_sizes", [(), (4,), "all"])
+def test_gears_of_a_graph_with_regions(mode: str, compile_sizes) -> None:
+    # default: one compile with dynamic sizes for every gear; compile_sizes: those specialised
     model = Stack(depth=4).eval()
-    compiled = torch.compile(model, backend=make_backend(mode))
+    compiled = torch.compile(model, backend=make_backend(mode, compile_sizes=compile_sizes))
     with torch.no_grad():
         for n in [2, 4, 8, 4, 2, 8]:
             x = torch.randn(n, 16)
             graphgear.set_dim_gears(x, {0: [2, 4, 8]})
             assert_close(compiled(x), model(x), reduction=64)
     rec = last_record()
-    assert rec.regions == {"Block_0": 4} and rec.compiles == 3 and len(rec.key_seconds) == 3
+    expected = {(): 1, (4,): 2, "all": 3}[compile_sizes]
+    assert rec.regions == {"Block_0": 4} and rec.compiles == expected and len(rec.key_seconds) == 3
 
 
 @pytest.mark.inductor

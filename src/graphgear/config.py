@@ -180,6 +180,12 @@ class InferenceConfig(Section):
     dynamic_gears_merge_policy = Option("zip", "how gears of several dims combine",
                                         choices=("zip", "product"))
     gear_padding = Option(False, "pad a size up to the next gear, slice outputs back", choices=_BOOL)
+    compile_sizes = Option(
+        (), "sizes compiled specialised, one compile each; every other size of a dynamic graph (each gear, "
+        "each shape) takes the graph's one compile with dynamic sizes (reduce-overhead: captured per size)",
+        check=lambda v: v == "all" or (isinstance(v, tuple | list) and all(_is_int(0)(x) for x in v)),
+        convert=lambda v: v if v == "all" else tuple(v),
+        allowed="a tuple of sizes, e.g. (1, 8), or 'all' (every size compiled specialised)")
     input_gears = Option(
         {}, "gears by input name, for inputs the caller does not build (transformers generate())",
         explain=_input_gears_problem, convert=_clean_input_gears,

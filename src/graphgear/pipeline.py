@@ -206,8 +206,16 @@ def _compile_by_shape(
         build: Build = lambda key: whole_boxed  # noqa: E731
     else:
 
+        shared: list[Callable[..., Any]] = []  # max-autotune's dynamic compile, made once
+
         def build(key: tuple[int, ...]) -> Callable[..., Any]:
             t0 = time.perf_counter()
+            if _shares(ctx, info, plan, key):
+                fn = _shared_build(gm, example_inputs, ctx, mode, compiler, key, shared)
+                if fn is not None:
+                    ctx.record.compile_seconds += time.perf_counter() - t0
+                    ctx.record.key_seconds[str(key)] = time.perf_counter() - t0
+                    return fn
             loaded = _stored(ctx, mode, key)
             if loaded is not None and loaded.kind != "pieces":
                 # the key's code is loaded; the dynamic graph stands in for the static
@@ -237,6 +245,40 @@ def _compile_by_shape(
         calls_to_build=ctx.config.capture_config.warmup_iters + 1 if mode == "reduce-overhead" else 1,
     )
     return _dispatch(gm, facts, keyed, padding=ctx.config.inference_config.gear_padding)
+
+
+def _shares(ctx: CompileContext, info: ShapeInfo, plan: GearPlan | None, key: tuple[int, ...]) -> bool:
+    """Whether graph key ``key`` takes the graph's one compile with dynamic sizes (its
+    own capture in reduce-overhead) rather than a compile specialised to it:
+    ``inference_config.compile_sizes`` names the sizes specialised (``"all"``: every
+    one); not with the compile cache (it stores code per key) nor for a backward."""
+    sizes = ctx.config.inference_config.compile_sizes
+    if sizes == "all" or ctx.artifacts is not None or ctx.stage == "backward":
+        return False
+    values = [key[i] for i in plan.sym_gears] if plan is not None else list(key)
+    return not (values and all(v in sizes for v in values))
+
+
+def _shared_build(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: CompileContext, mode: str,
+                  compiler: Any, key: tuple[int, ...], shared: list[Callable[..., Any]]) -> Callable[..., Any] | None:
+    """Key ``key``'s callable from the graph's shared compile (made on the first key that
+    needs it): reduce-overhead, an engine of its own capturing the shared code;
+    max-autotune, the shared code itself. None where the graph cannot share one."""
+    if mode == "max-autotune":
+        if not shared:
+            shared.append(_convention(compiler(gm, example_inputs, ctx), boxed=True))
+            ctx.record.compiles += 1
+        return shared[0]
+    if mode != "reduce-overhead":
+        return None
+    first = compiler._shared is None
+    code = compiler.shared(gm, example_inputs, ctx)
+    if code is None:
+        return None
+    if first:
+        ctx.record.compiles += 1
+    log.info("graphgear: %s key %s captures the shared compile", ctx.record.name, key)
+    return _convention(compiler(gm, example_inputs, ctx.for_key(key, code)), boxed=True)
 
 
 def _split_ints(gm: fx.GraphModule, ctx: CompileContext, mode: str) -> list[int]:

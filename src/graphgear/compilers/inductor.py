@@ -49,7 +49,7 @@ from ..stats import GraphRecord
 
 log = logging.getLogger(__name__)
 
-__all__ = ["cache_context", "compile_inductor", "compile_static", "decompose_static",
+__all__ = ["cache_context", "compile_dynamic", "compile_inductor", "compile_static", "decompose_static",
            "inductor_decompositions", "static_fakes"]
 
 # max-autotune sets no Inductor option of its own: freezing, cpp_wrapper and max_autotune's
@@ -283,6 +283,29 @@ def compile_static(
     if len(keep) == len(args):
         return compiled
     return inductor_drop_args(compiled, keep)
+
+
+def compile_dynamic(
+    gm: fx.GraphModule, args: Sequence[Any], *, stage: str, static_idx: Sequence[int],
+    config: CompilerConfig | None = None, record: GraphRecord | None = None,
+) -> Callable[[list[Any]], Any]:
+    """Inductor-compile a graph with symbolic sizes once, for the device graph of every
+    size (reduce-overhead's shared compile): ``args`` are its fake example inputs, with
+    their symbolic sizes. As :func:`compile_static` without frozen weights: each capture
+    binds the inputs, so the code asserts no sizes; boxed callable."""
+    register_inductor_lowering()
+    kernels.register_lowerings()
+    fakes = list(args)
+    dgm = decompose_static(gm, fakes)
+    if stage == "inference":
+        _cpu_passes(unfrozen_passes(), dgm, fakes, config, record, {})
+    inductor_replace_random(dgm, fakes)
+    patches: dict[str, Any] = dict(post_grad_fusion_options={"decompose_mm_pass": {}}, freezing=False,
+                                   cpp_wrapper=False, size_asserts=False, alignment_asserts=False)
+    with cache_context(fakes, replace=True), inductor_config_patch(**patches):
+        return inductor_compile_fx_inner(dgm, fakes, static_input_idxs=list(static_idx),
+                                         is_inference=stage == "inference", is_backward=stage == "backward",
+                                         cpp_wrapper=False)
 
 
 def _cpu_passes(passes: Sequence[Any], gm: fx.GraphModule, fakes: Sequence[Any], config: CompilerConfig | None,

@@ -55,7 +55,7 @@ from ..inputs import mutated_placeholders
 from ..op_names import split_op_problem
 from ..regions import RegionsRefused, region_subgraphs
 from .executors import FrozenExecutor, native_code
-from .inductor import compile_static
+from .inductor import compile_dynamic, compile_static
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +71,9 @@ class ReduceOverheadCompiler:
         self.copies = ctx.frozen_copies if ctx.frozen_copies is not None else FrozenCopies()
         # piecewise capture: each piece's memory, shared by that piece of every key
         self.piece_pools: dict[int, MemoryPool] = {}
+        # the dynamic graph's code every key captures (:meth:`shared`): None not tried yet,
+        # False where each key compiles on its own
+        self._shared: KeyArtifact | bool | None = None
         cc = ctx.config.capture_config
         if cc.mode == "full" and cc.split_ops:
             raise ConfigError(
@@ -86,6 +89,32 @@ class ReduceOverheadCompiler:
                     f"graphgear: capture_config.split_ops={list(cc.split_ops)!r}: {problem}. Fix the "
                     f"name, or remove it from split_ops."
                 )
+
+    def shared(self, gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: CompileContext) -> KeyArtifact | None:
+        """The code of dynamic graph ``gm`` compiled once with its symbolic sizes, which
+        the engine of every graph key captures (made on the first call, then the same);
+        None where each key must be compiled on its own: piecewise capture cuts the
+        graph, weights are frozen into the code, the device captures the FX graph itself,
+        or Inductor could not compile it."""
+        if self._shared is not None:
+            return self._shared or None
+        self._shared = False
+        device = graph_device(example_inputs)
+        kind = device_kind(device, ctx.record.name)
+        points = _split_points(gm, device, ctx)
+        if points.nodes or points.blocked or ctx.config.experimental_config.frozen_parameter:
+            return None
+        roles = InputRoles.of(example_inputs, stage=ctx.stage, static_inputs=ctx.static_inputs,
+                              mutated_inputs=ctx.mutated_inputs,
+                              clone_input=ctx.config.capture_config.clone_input)
+        code = native_code(functools.partial(compile_dynamic, config=ctx.config, record=ctx.record), gm,
+                           roles.as_bound(example_inputs), kind=kind, stage=ctx.stage, static_idx=roles.static,
+                           name=ctx.record.name)
+        if code is not None:
+            self._shared = KeyArtifact("static", code)
+            log.info("graphgear: %s compiled once with dynamic sizes; each size captures that code",
+                     ctx.record.name)
+        return self._shared or None
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: CompileContext) -> Callable[..., Any]:
         """A boxed callable that captures and replays ``gm`` (whole, or in pieces:
