@@ -490,8 +490,8 @@ def test_a_python_int_the_graph_only_advances_is_one_key(scale: bool) -> None:
     assert len(graphs) == 2, str(graphgear.stats())  # the first value static, then dynamic
     dynamic = graphs[1]
     if scale:
-        # a key per value (each warms up once), all of them the one compile with dynamic sizes
-        assert dynamic.compiles == 1 and dynamic.uncaptured_runs == 7, str(graphgear.stats())
+        # a key per value (each warms up once): the CPU graph compiles each ("auto" compile_sizes)
+        assert dynamic.compiles == 7, str(graphgear.stats())
     else:
         assert dynamic.compiles == dynamic.captures == 1, str(graphgear.stats())
         assert dynamic.replays == 5

@@ -379,7 +379,9 @@ def test_tensor_parallel_decoder_equals_one_rank_eager(tmp_path: Path, kind: str
         # so dynamo compiles batch 1 as a graph of its own; each graph has the gears
         assert v["graphs"] == (1 if kind == "megatron" else 2), v
         assert v["gears"] == [[(1,), (2,), (4,)]] * v["graphs"], v
-        assert v["compiles"] == 3, v  # one per gear
+        # one per gear on the CPU graph (reduce-overhead specialises each, "auto"
+        # compile_sizes); max-autotune: one compile with dynamic sizes per graph
+        assert v["compiles"] == (3 if mode == "reduce-overhead" else v["graphs"]), v
         if mode == "reduce-overhead":
             assert v["captures"] == 3, v  # one per gear
             assert v["replays"] == 15 - 3 - 3, v  # every call but a warm-up and a capture per gear

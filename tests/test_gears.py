@@ -109,7 +109,8 @@ def test_padding_to_next_gear(mode: str) -> None:
         with pytest.raises(GearError, match="above the largest gear"):
             compiled(geared(torch.randn(9, 16), {0: [2, 4, 8]}))
     (g,) = graphgear.stats().graphs
-    assert g.compiles == 1  # one compile with dynamic sizes serves every gear
+    # one compile with dynamic sizes serves every gear; the CPU graph compiles each gear
+    assert g.compiles == (3 if mode == "reduce-overhead" else 1)
 
 
 class _TokenMLP(torch.nn.Module):

@@ -347,7 +347,8 @@ class GraphgearBackend:
 
 def _outlines(config: CompilerConfig, bundle: Any, example_inputs: Sequence[Any]) -> bool:
     """Whether the graph's repeated regions become shared subgraphs
-    (``experimental_config.repeated_regions``, :mod:`graphgear.regions`): for inference
+    (``experimental_config.repeated_regions``, :mod:`graphgear.regions`; ``"auto"``: not
+    in reduce-overhead on the CPU): for graphs of static sizes only, for inference
     graphs only (a training graph's shared subgraphs gave wrong gradients on torch 2.13),
     not with the joint-graph fusions (``fx_passes``: their patterns are matched on the
     whole graph), not with gear padding (its hazard check reads every op), not where a
@@ -358,7 +359,16 @@ def _outlines(config: CompilerConfig, bundle: Any, example_inputs: Sequence[Any]
     ec = config.experimental_config
     training = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs)
-    return (ec.repeated_regions and not training and not ec.fx_passes
+    wanted = ec.repeated_regions
+    if wanted == "auto":
+        # the CPU graph replays straight-line code as a fixed list of kernel calls; code
+        # that calls a shared subgraph it runs through Inductor's wrapper (slower per step)
+        wanted = not (mode_of(config) == "reduce-overhead" and graph_device(example_inputs).type == "cpu")
+    # a shared subgraph in code of dynamic sizes gave wrong outputs at every size but the
+    # first (torch 2.13, Inductor, a toy decoder with gears): graphs of static sizes only
+    dynamic = any(isinstance(t, torch.SymInt) or (isinstance(t, torch.Tensor) and any(
+        isinstance(d, torch.SymInt) for d in (*t.shape, *t.stride()))) for t in example_inputs)
+    return (bool(wanted) and not training and not dynamic and not ec.fx_passes
             and not config.inference_config.gear_padding and not ec.frozen_parameter and not config.debug.data_dump.enabled
             and not (mode_of(config) == "reduce-overhead" and config.capture_config.split_ops)
             and bundle is None)

@@ -114,8 +114,10 @@ class ExperimentalConfig(Section):
     fx_passes = Option(False, "joint-graph fusion passes (RMSNorm, rotary, attention)", choices=_BOOL)
     keep_inference_input_mutations = Option(True, "in-place updates of inputs stay in the graph",
                                             choices=_BOOL)
-    repeated_regions = Option(True, "a region the graph repeats (a model's identical layers) is traced and "
-                              "compiled once and called for each (graphgear.regions)", choices=_BOOL)
+    repeated_regions = Option("auto", "a region the graph repeats (a model's identical layers) is traced and "
+                              "compiled once and called for each (graphgear.regions); 'auto': on, except "
+                              "in reduce-overhead on the CPU (the CPU graph replays a shared subgraph's "
+                              "code slower)", choices=(True, False, "auto"))
     frozen_parameter = Option(False, "parameter addresses are fixed: left out of the graph key "
                               "(each model's parameters still get captures of their own)", choices=_BOOL)
     remove_noop_ops = Option(True, "remove no-op ops (identity views, x+0, x*1, clones)",
@@ -181,11 +183,13 @@ class InferenceConfig(Section):
                                         choices=("zip", "product"))
     gear_padding = Option(False, "pad a size up to the next gear, slice outputs back", choices=_BOOL)
     compile_sizes = Option(
-        (), "sizes compiled specialised, one compile each; every other size of a dynamic graph (each gear, "
-        "each shape) takes the graph's one compile with dynamic sizes (reduce-overhead: captured per size)",
-        check=lambda v: v == "all" or (isinstance(v, tuple | list) and all(_is_int(0)(x) for x in v)),
-        convert=lambda v: v if v == "all" else tuple(v),
-        allowed="a tuple of sizes, e.g. (1, 8), or 'all' (every size compiled specialised)")
+        "auto", "sizes compiled specialised, one compile each; every other size of a dynamic graph (each gear, "
+        "each shape) takes the graph's one compile with dynamic sizes (reduce-overhead: captured per size). "
+        "'auto': none, except in reduce-overhead on the CPU, where every size is specialised (the CPU graph "
+        "replays code of static sizes faster)",
+        check=lambda v: v in ("all", "auto") or (isinstance(v, tuple | list) and all(_is_int(0)(x) for x in v)),
+        convert=lambda v: v if v in ("all", "auto") else tuple(v),
+        allowed="a tuple of sizes, e.g. (1, 8), 'all' (every size specialised) or 'auto'")
     input_gears = Option(
         {}, "gears by input name, for inputs the caller does not build (transformers generate())",
         explain=_input_gears_problem, convert=_clean_input_gears,

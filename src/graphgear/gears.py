@@ -1,4 +1,4 @@
-"""Gears: a fixed set of sizes for a dynamic dim, one specialised graph per gear.
+"""Gears: a fixed set of sizes for a dynamic dim, one graph key (a capture) per gear.
 
 This module holds what the user sets and what the backend checks: ``set_dim_gears``,
 the validation of gears, and :class:`GearPlan` (the allowed graph keys of one graph

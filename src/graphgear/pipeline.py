@@ -1,7 +1,8 @@
 """The pipeline every aten-level graph goes through (:func:`compile_graph`): stats
-record → dump → FX passes → dump and op summary → dispatch by shape (one static graph
-per gear or graph key, ``graphgear.dispatch``, padded between gears: ``graphgear.padding``) → the mode's compiler
-(``graphgear.compilers``)."""
+record → dump → FX passes → dump and op summary → dispatch by shape (a callable per gear
+or graph key, ``graphgear.dispatch``, padded between gears: ``graphgear.padding``; each
+the graph's one compile with dynamic sizes, or one specialised to the key) → the mode's
+compiler (``graphgear.compilers``)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from torch import fx
 
 from . import debug
 from ._torch.aot import aot_forward_returns, aot_tangents, is_boxed, make_boxed_func
+from .capture.rules import graph_device
 from .capture.split import rewire_split_ints, split_int_inputs
 from .compilers import MODE_COMPILERS, op_support
 from .config import mode_of
@@ -176,9 +178,11 @@ def _compile_by_shape(
 ) -> Callable[..., Any]:
     """Compile ``gm`` as it is when its shapes are static; otherwise dispatch by graph key.
 
-    max-autotune compiles one static graph per gear (a dynamic graph without gears is
-    compiled once, with dynamic shapes); reduce-overhead captures one static graph per
-    key; run_eagerly runs the dynamic graph. Gears are checked (and padded) in every mode.
+    A dynamic graph is compiled once with its sizes symbolic and that code serves every
+    key (:func:`_shares`): max-autotune runs it, reduce-overhead captures it once per key;
+    a key whose sizes ``inference_config.compile_sizes`` names (or every key of a graph
+    that cannot share: piecewise cuts, frozen weights, the compile cache) is specialised
+    and compiled on its own. run_eagerly runs the dynamic graph. Gears are checked (and padded) in every mode.
     """
     compiler = MODE_COMPILERS[mode](ctx)
     split_ints = _split_ints(gm, ctx, mode)
@@ -210,7 +214,7 @@ def _compile_by_shape(
 
         def build(key: tuple[int, ...]) -> Callable[..., Any]:
             t0 = time.perf_counter()
-            if _shares(ctx, info, plan, key):
+            if _shares(ctx, plan, key, example_inputs):
                 fn = _shared_build(gm, example_inputs, ctx, mode, compiler, key, shared)
                 if fn is not None:
                     ctx.record.compile_seconds += time.perf_counter() - t0
@@ -247,12 +251,18 @@ def _compile_by_shape(
     return _dispatch(gm, facts, keyed, padding=ctx.config.inference_config.gear_padding)
 
 
-def _shares(ctx: CompileContext, info: ShapeInfo, plan: GearPlan | None, key: tuple[int, ...]) -> bool:
+def _shares(ctx: CompileContext, plan: GearPlan | None, key: tuple[int, ...], example_inputs: Sequence[Any]) -> bool:
     """Whether graph key ``key`` takes the graph's one compile with dynamic sizes (its
     own capture in reduce-overhead) rather than a compile specialised to it:
     ``inference_config.compile_sizes`` names the sizes specialised (``"all"``: every
     one); not with the compile cache (it stores code per key) nor for a backward."""
     sizes = ctx.config.inference_config.compile_sizes
+    if sizes == "auto":
+        # the CPU graph replays Inductor's code of static sizes as a fixed list of kernel
+        # calls; code of dynamic sizes it runs through the generated wrapper: 245 against
+        # 330 us per step of a 2-layer toy decoder (docs/guides/compile-time.md)
+        cpu_graph = ctx.config.mode == "reduce-overhead" and graph_device(example_inputs).type == "cpu"
+        sizes = "all" if cpu_graph else ()
     if sizes == "all" or ctx.artifacts is not None or ctx.stage == "backward":
         return False
     values = [key[i] for i in plan.sym_gears] if plan is not None else list(key)

@@ -3,9 +3,9 @@
 A graph traced with dynamic dims has free symbols (``s0``, ``s1``...). At run time each
 symbol has a concrete value, read off the arguments: the *graph key* is the tuple of
 those values. :func:`specialize` re-traces the graph at one key into a graph with only
-static shapes (``make_fx`` under a fresh fake mode: 0.02 to 0.04 s), which is what the
-modes compile: Inductor compiles one static graph per gear, the capture engine captures
-one static graph per key.
+static shapes (``make_fx`` under a fresh fake mode: 0.02 to 0.04 s): what the modes
+compile for a size ``inference_config.compile_sizes`` names (every other size takes the
+graph's one compile with dynamic sizes, see ``pipeline``).
 """
 
 from __future__ import annotations

@@ -102,8 +102,8 @@ def prepare_for_inductor(gm: fx.GraphModule) -> int:
 def compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: CompileContext) -> Callable[..., Any]:
     """Compile ``gm`` with Inductor's graph compiler; returns Inductor's boxed callable.
 
-    The gear dispatcher calls this once per gear with a static graph; a graph with
-    symbolic sizes compiles once for all of them. ``ctx.loaded`` (the compile cache):
+    The gear dispatcher calls this with the graph and its symbolic sizes, once for all
+    gears, or with a static graph per size ``inference_config.compile_sizes`` names. ``ctx.loaded`` (the compile cache):
     that key's stored compiled graph, run instead of compiling; with ``ctx.artifacts``
     and ``ctx.key`` the compiled graph is recorded there.
     """
